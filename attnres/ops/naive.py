@@ -1,0 +1,48 @@
+"""Depth attention, the reference implementation (DESIGN.md section 2).
+
+    logit_i = w . RMSNorm(v_i)        per token, no 1/sqrt(D)
+    alpha   = softmax over i          per token, over the source (depth) axis
+    h       = sum_i alpha_i * v_i     values are the raw sources
+
+Written for clarity and to avoid needless copies: the sources stay a list (never
+stacked into an (S, B, T, D) tensor), each source is normalised exactly once and
+only implicitly -- w . (v * r * g) == (v . (g * w)) * r with r = 1 / rms(v) -- so
+the normalised keys are never materialised. Statistics, logits and the softmax
+are float32 for half-precision inputs; the result has the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def naive_depth_attention(
+    sources: Sequence[Tensor],
+    pseudo_query: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
+
+    Returns `(h, weights)`: h is (B, T, D) in the sources' dtype, weights is
+    (S, B, T) in float32 (float64 for float64 sources) and sums to 1 over S for
+    every token. Inputs are not validated here: `attnres.functional` does that
+    once, at the public boundary.
+    """
+    compute_dtype = torch.promote_types(sources[0].dtype, torch.float32)
+    query = pseudo_query.to(compute_dtype)
+    if norm_weight is not None:
+        query = query * norm_weight.to(compute_dtype)  # fold the key-norm gain into the query
+    logits = []
+    for v in sources:  # v: (B, T, D)
+        v32 = v.to(compute_dtype)
+        inv_rms = torch.rsqrt(v32.pow(2).mean(dim=-1) + eps)  # (B, T)
+        logits.append((v32 * query).sum(dim=-1) * inv_rms)  # (B, T)
+    weights = torch.softmax(torch.stack(logits), dim=0)  # (S, B, T)
+    h = weights[0].unsqueeze(-1) * sources[0].to(compute_dtype)
+    for alpha, v in zip(weights[1:], sources[1:]):
+        h = h + alpha.unsqueeze(-1) * v.to(compute_dtype)
+    return h.to(sources[0].dtype), weights

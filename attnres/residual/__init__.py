@@ -1,0 +1,15 @@
+"""Residual strategies: one small module each behind `ResidualStrategy`."""
+
+from attnres.residual.base import DepthAttentionResidual, DepthRecord, ResidualStrategy
+from attnres.residual.block import BlockAttentionResidual
+from attnres.residual.full import FullAttentionResidual
+from attnres.residual.standard import StandardResidual
+
+__all__ = [
+    "BlockAttentionResidual",
+    "DepthAttentionResidual",
+    "DepthRecord",
+    "FullAttentionResidual",
+    "ResidualStrategy",
+    "StandardResidual",
+]

@@ -1,0 +1,180 @@
+"""The residual-strategy interface: what each sublayer reads, and what the network outputs.
+
+A strategy is constructed as `Strategy(d_model, num_layers, **options)`, where `num_layers`
+counts sublayers (every attention and every MLP is one; `L = 2 * n_layer`). Its
+`forward(embedding, sublayers, **sublayer_kwargs)` runs the sublayers in order, calls each
+as `sublayer(x, **sublayer_kwargs)`, and returns the hidden state that goes to the final
+norm. `forward(encoder, src, mask=None, src_key_padding_mask=None, is_causal=None)` does
+the same for the layers of a `torch.nn.TransformerEncoder`.
+
+Subclasses implement `run` and route every sublayer call through `call_sublayer` and
+every depth attention through `attend`; that is all it takes to support recording.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from attnres.functional import depth_attention
+
+Sublayer = Callable[..., Tensor]
+
+
+@dataclass
+class DepthRecord:
+    """What one recorded forward pass saw (all tensors detached).
+
+    `weights[l]` is sublayer l's depth-attention weights, (S_l, B, T); index `num_layers`
+    is the output aggregation. Source i of every row is column i of a heatmap: for Full
+    AttnRes the embedding then each earlier output, for Block AttnRes the embedding then
+    each block (the last one possibly partial). `input_rms[l]` / `output_rms[l]` are the
+    RMS over D of sublayer l's input and output, averaged over tokens (float32 scalars).
+    """
+
+    num_layers: int
+    weights: dict[int, Tensor] = field(default_factory=dict)
+    input_rms: list[Tensor] = field(default_factory=list)
+    output_rms: list[Tensor] = field(default_factory=list)
+
+
+def _mean_rms(x: Tensor) -> Tensor:
+    return x.detach().float().pow(2).mean(dim=-1).sqrt().mean()
+
+
+class ResidualStrategy(nn.Module):
+    """Base class of every residual strategy; see the module docstring for the contract."""
+
+    #: whether this strategy computes depth-attention weights (dashboards draw heatmaps then)
+    has_depth_attention: bool = False
+
+    def __init__(self, d_model: int, num_layers: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if d_model < 1 or num_layers < 1:
+            raise ValueError(f"d_model and num_layers must be positive, got {d_model} and {num_layers}")
+        if not eps > 0:
+            raise ValueError(f"eps must be positive, got {eps!r}")
+        self.d_model, self.num_layers, self.eps = d_model, num_layers, eps
+        self._record_next = False
+        self._record: DepthRecord | None = None
+        self.recorded: DepthRecord | None = None
+
+    # -- recording ---------------------------------------------------------------------------
+    def record_next(self) -> None:
+        """Record weights and magnitudes during the next forward pass only."""
+        self._record_next = True
+
+    # -- running -----------------------------------------------------------------------------
+    def forward(self, first: Tensor | nn.TransformerEncoder, *args: Any, **kwargs: Any) -> Tensor:
+        if isinstance(first, nn.TransformerEncoder):
+            return self._forward_encoder(first, *args, **kwargs)
+        if len(args) != 1:
+            raise TypeError("forward(embedding, sublayers, **sublayer_kwargs) takes exactly two positional arguments")
+        embedding, sublayers = first, args[0]
+        if len(sublayers) != self.num_layers:
+            raise ValueError(
+                f"{type(self).__name__} was built for num_layers={self.num_layers} sublayers "
+                f"but got {len(sublayers)}"
+            )
+        self._record = DepthRecord(self.num_layers) if self._record_next else None
+        self._record_next = False
+        try:
+            out = self.run(embedding, sublayers, kwargs)
+        finally:
+            self.recorded, self._record = self._record, None
+        return out
+
+    def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
+        raise NotImplementedError
+
+    def call_sublayer(self, index: int, sublayer: Sublayer, x: Tensor, sublayer_kwargs: dict[str, Any]) -> Tensor:
+        out = sublayer(x, **sublayer_kwargs)
+        if self._record is not None:
+            self._record.input_rms.append(_mean_rms(x))
+            self._record.output_rms.append(_mean_rms(out))
+        return out
+
+    def _forward_encoder(
+        self,
+        encoder: nn.TransformerEncoder,
+        src: Tensor,
+        mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> Tensor:
+        layers = list(encoder.layers)
+        if self.num_layers != 2 * len(layers):
+            raise ValueError(
+                f"a TransformerEncoder with {len(layers)} layers has {2 * len(layers)} sublayers "
+                f"(attention + feed-forward each); build {type(self).__name__} with num_layers={2 * len(layers)}, "
+                f"not {self.num_layers}"
+            )
+        if is_causal and mask is None:
+            seq_len = src.shape[1] if layers and layers[0].self_attn.batch_first else src.shape[0]
+            mask = nn.Transformer.generate_square_subsequent_mask(seq_len, device=src.device, dtype=src.dtype)
+        sublayers: list[Sublayer] = []
+        for layer in layers:
+            # the pre-norm halves of the layer, whatever its `norm_first` says (DESIGN.md section 2)
+            sublayers.append(
+                lambda h, layer=layer: layer._sa_block(layer.norm1(h), mask, src_key_padding_mask, is_causal=bool(is_causal))
+            )
+            sublayers.append(lambda h, layer=layer: layer._ff_block(layer.norm2(h)))
+        out = self(src, sublayers)
+        return encoder.norm(out) if encoder.norm is not None else out
+
+
+class DepthAttentionResidual(ResidualStrategy):
+    """Shared state of the AttnRes strategies: one pseudo-query and key norm per sublayer,
+    plus one for the output aggregation (`num_layers + 1` in all).
+
+    Pseudo-queries start at zero, so at step 0 every sublayer reads the uniform mean of its
+    sources. `key_norm_gain=False` drops the learnable gain of the key RMSNorm.
+    `output_aggregation=False` replaces the final depth attention by the plain sum of all
+    sources (which is the standard residual stream).
+    """
+
+    has_depth_attention = True
+
+    def __init__(
+        self,
+        d_model: int,
+        num_layers: int,
+        eps: float = 1e-6,
+        key_norm_gain: bool = True,
+        output_aggregation: bool = True,
+    ) -> None:
+        super().__init__(d_model, num_layers, eps)
+        self.output_aggregation = output_aggregation
+        self.pseudo_query = nn.Parameter(torch.zeros(num_layers + 1, d_model))  # (L + 1, D)
+        self.key_norm_weight = nn.Parameter(torch.ones(num_layers + 1, d_model)) if key_norm_gain else None
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.pseudo_query.zero_()
+            if self.key_norm_weight is not None:
+                self.key_norm_weight.fill_(1.0)
+
+    def attend(self, index: int, sources: Sequence[Tensor]) -> Tensor:
+        """Depth attention over `sources` with the query and key norm of `index`."""
+        gain = None if self.key_norm_weight is None else self.key_norm_weight[index]
+        h, weights = depth_attention(sources, self.pseudo_query[index], gain, self.eps)
+        if self._record is not None:
+            self._record.weights[index] = weights.detach()
+        return h
+
+    def output(self, sources: Sequence[Tensor]) -> Tensor:
+        if self.output_aggregation:
+            return self.attend(self.num_layers, sources)
+        out = sources[0]
+        for v in sources[1:]:
+            out = out + v
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_layers={self.num_layers}, eps={self.eps}, "
+            f"key_norm_gain={self.key_norm_weight is not None}, output_aggregation={self.output_aggregation}"
+        )

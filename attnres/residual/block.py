@@ -1,0 +1,68 @@
+"""Block Attention Residuals (Kimi Team, arXiv 2603.15031).
+
+The L sublayers are cut into N consecutive blocks of S = L / N. The embedding is block
+b_0, a source of its own. b_n (n >= 1) is the plain sum of the outputs of block n's
+sublayers. The first sublayer of block n attends over the completed blocks
+[b_0, ..., b_{n-1}]; its i-th sublayer (i >= 2) also over the partial sum b_n^{i-1} of
+the block's first i-1 outputs. The output aggregates over all N + 1 blocks.
+Memory O(N * D) per token; N = L is Full AttnRes exactly.
+
+Where this departs from an often-shared sketch of the same API, it follows the paper:
+a block's empty partial sum is left out rather than attended to as a zero source, and
+the output is a final depth attention over all blocks, not the last block's partial sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import Tensor
+
+from attnres.residual.base import DepthAttentionResidual, Sublayer
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class BlockAttentionResidual(DepthAttentionResidual):
+    """Block AttnRes as a drop-in module: `forward(embedding, sublayers, **kw)` or
+    `forward(encoder, src, mask=None, src_key_padding_mask=None, is_causal=None)`.
+
+    Owns `num_layers + 1` pseudo-queries and key norms; the last is the output
+    aggregation, which `forward` returns. `num_layers % num_blocks != 0` is a ValueError.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_layers: int,
+        num_blocks: int = 8,
+        eps: float = 1e-6,
+        key_norm_gain: bool = True,
+        output_aggregation: bool = True,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1 or num_layers % num_blocks != 0:
+            raise ValueError(
+                f"num_blocks={num_blocks} must divide the {num_layers} sublayers "
+                f"(2 per transformer layer); valid values: {', '.join(map(str, _divisors(num_layers)))}"
+            )
+        super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation)
+        self.num_blocks = num_blocks
+        self.block_size = num_layers // num_blocks  # S, sublayers per block
+
+    def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
+        blocks = [embedding]  # completed blocks, each (B, T, D)
+        partial: Tensor | None = None  # b_n^i; None while block n has no output yet
+        for index, sublayer in enumerate(sublayers):
+            if index > 0 and index % self.block_size == 0:
+                blocks.append(partial)
+                partial = None
+            h = self.attend(index, blocks if partial is None else [*blocks, partial])
+            out = self.call_sublayer(index, sublayer, h, sublayer_kwargs)
+            partial = out if partial is None else partial + out
+        blocks.append(partial)
+        return self.output(blocks)
+
+    def extra_repr(self) -> str:
+        return f"num_blocks={self.num_blocks}, " + super().extra_repr()
