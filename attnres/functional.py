@@ -7,9 +7,8 @@ then handed to an implementation in `attnres.ops`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from attnres.ops import naive_depth_attention

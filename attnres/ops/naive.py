@@ -13,7 +13,7 @@ are float32 for half-precision inputs; the result has the input dtype.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -39,10 +39,15 @@ def naive_depth_attention(
     logits = []
     for v in sources:  # v: (B, T, D)
         v32 = v.to(compute_dtype)
-        inv_rms = torch.rsqrt(v32.pow(2).mean(dim=-1) + eps)  # (B, T)
-        logits.append((v32 * query).sum(dim=-1) * inv_rms)  # (B, T)
+        # w . RMSNorm(v) is unchanged when v is divided by any c > 0 and eps by c^2. Dividing by
+        # c = max(1, max|v|) keeps the squares from overflowing (bf16 or float32 values past
+        # ~1e19 square to inf in float32); c is a constant of the function, hence detached.
+        c = v32.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)  # (B, T, 1)
+        u = v32 / c
+        inv_rms = torch.rsqrt(u.pow(2).mean(dim=-1) + eps / c.squeeze(-1).pow(2))  # (B, T): c / rms(v)
+        logits.append((u * query).sum(dim=-1) * inv_rms)  # (B, T)
     weights = torch.softmax(torch.stack(logits), dim=0)  # (S, B, T)
     h = weights[0].unsqueeze(-1) * sources[0].to(compute_dtype)
-    for alpha, v in zip(weights[1:], sources[1:]):
+    for alpha, v in zip(weights[1:], sources[1:], strict=True):
         h = h + alpha.unsqueeze(-1) * v.to(compute_dtype)
     return h.to(sources[0].dtype), weights

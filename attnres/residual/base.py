@@ -13,10 +13,12 @@ every depth attention through `attend`; that is all it takes to support recordin
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnres.functional import depth_attention
@@ -112,14 +114,27 @@ class ResidualStrategy(nn.Module):
                 f"(attention + feed-forward each); build {type(self).__name__} with num_layers={2 * len(layers)}, "
                 f"not {self.num_layers}"
             )
+        # as nn.TransformerEncoder.forward does: boolean masks become additive float masks of src's
+        # dtype, so a boolean padding mask next to the float causal mask made below is not a mismatch
+        src_key_padding_mask = F._canonical_mask(
+            mask=src_key_padding_mask,
+            mask_name="src_key_padding_mask",
+            other_type=F._none_or_dtype(mask),
+            other_name="mask",
+            target_type=src.dtype,
+        )
+        mask = F._canonical_mask(
+            mask=mask, mask_name="mask", other_type=None, other_name="", target_type=src.dtype, check_other=False
+        )
         if is_causal and mask is None:
             seq_len = src.shape[1] if layers and layers[0].self_attn.batch_first else src.shape[0]
             mask = nn.Transformer.generate_square_subsequent_mask(seq_len, device=src.device, dtype=src.dtype)
+        causal = bool(is_causal)
         sublayers: list[Sublayer] = []
         for layer in layers:
             # the pre-norm halves of the layer, whatever its `norm_first` says (DESIGN.md section 2)
             sublayers.append(
-                lambda h, layer=layer: layer._sa_block(layer.norm1(h), mask, src_key_padding_mask, is_causal=bool(is_causal))
+                lambda h, layer=layer: layer._sa_block(layer.norm1(h), mask, src_key_padding_mask, is_causal=causal)
             )
             sublayers.append(lambda h, layer=layer: layer._ff_block(layer.norm2(h)))
         out = self(src, sublayers)

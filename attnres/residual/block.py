@@ -14,7 +14,8 @@ the output is a final depth attention over all blocks, not the last block's part
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 

@@ -7,7 +7,8 @@ Memory O(L * D) per token.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 

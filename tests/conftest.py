@@ -1,0 +1,53 @@
+"""Shared fixtures of the core tests: an independent float64 reference of depth attention
+(DESIGN.md section 2, written here from the formulas, never calling attnres) and the one
+relative-error measure every forward and gradient comparison uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, in float64, over the whole tensor (the absolute
+    error where the reference is exactly zero, e.g. the query gradient with one source)."""
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.detach().to(torch.float64), expected.detach().to(torch.float64)
+    assert torch.isfinite(a).all(), "result has inf or nan"
+    scale = e.norm()
+    return ((a - e).norm() / (scale if scale > 0 else 1.0)).item()
+
+
+def _ref_depth_attention(sources, query, gain=None, eps=1e-6):
+    """float64 depth attention straight from DESIGN.md: stack the sources, RMSNorm them
+    (optional gain g), logits = w . RMSNorm(v_i), softmax over depth, weighted sum of the raw
+    sources. Returns (h (B, T, D), alpha (S, B, T)), differentiable."""
+    v = torch.stack([s.to(torch.float64) for s in sources])  # (S, B, T, D)
+    keys = v / torch.sqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if gain is not None:
+        keys = keys * gain.to(torch.float64)
+    logits = (keys * query.to(torch.float64)).sum(dim=-1)  # (S, B, T)
+    alpha = torch.softmax(logits, dim=0)
+    return (alpha.unsqueeze(-1) * v).sum(dim=0), alpha
+
+
+@pytest.fixture
+def rel_err():
+    """The relative-error helper: `rel_err(actual, expected) -> float`."""
+    return _rel_err
+
+
+@pytest.fixture
+def ref_depth_attention():
+    """The float64 reference: `ref_depth_attention(sources, query, gain=None, eps=1e-6) -> (h, alpha)`."""
+    return _ref_depth_attention
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """One intra-op thread for the module: the core tests use tiny tensors, for which waking a
+    second thread costs milliseconds per op on small CPU machines. Restores the setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

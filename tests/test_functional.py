@@ -1,0 +1,355 @@
+"""The public ops `full_attn_res` and `block_attn_res` against the float64 reference of
+DESIGN.md section 2 (tests/conftest.py), their contract, and gradcheck."""
+
+# Arguments use DESIGN.md's shape names (S sources, B, T, D), as pyproject's N806 exception does.
+# ruff: noqa: N803
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.functional import block_attn_res, full_attn_res
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# relative error (norm of the difference over norm of the reference) allowed per input dtype
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+# (S sources, B, T, D, contiguous)
+CASES = [
+    (1, 2, 3, 8, True),  # zero previous layers / one source
+    (2, 1, 4, 16, True),  # B = 1
+    (3, 2, 5, 16, False),  # transposed views
+    (4, 3, 1, 8, True),  # T = 1
+    (5, 1, 1, 4, False),  # B = T = 1
+    (9, 2, 7, 24, False),
+]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def case_id(S, B, T, D, contiguous, dtype) -> str:
+    return f"S{S}-B{B}-T{T}-D{D}-{DTYPE_NAMES[dtype]}" + ("" if contiguous else "-noncontig")
+
+
+def grid(extra: list[str]):
+    return [
+        pytest.param(*case, dtype, x, id=f"{case_id(*case, dtype)}-{x}")
+        for case in CASES
+        for dtype in DTYPES
+        for x in extra
+    ]
+
+
+def make_leaf(shape, dtype, contiguous, gen, scale=1.0):
+    """A leaf tensor and a function that turns it (or a float64 copy of it) into the (..., T, D)
+    input: the leaf itself, or a non-contiguous view of a (..., 2 D, T) leaf (transposed, then
+    every other feature, so it stays non-contiguous even when T = 1)."""
+    if contiguous:
+        leaf = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+        return leaf.to(dtype).requires_grad_(), lambda x: x
+    *lead, T, D = shape
+    leaf = torch.randn(*lead, 2 * D, T, generator=gen, dtype=torch.float64) * scale
+    return leaf.to(dtype).requires_grad_(), lambda x: x.transpose(-1, -2)[..., ::2]
+
+
+def upcast_leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(torch.float64).requires_grad_()
+
+
+def random_query(D, dtype, gen):
+    """Nonzero random query, scaled so that logits are O(1): the weights are far from uniform."""
+    q = torch.randn(D, generator=gen, dtype=torch.float64) * 2.0 / D**0.5
+    return q.to(dtype).requires_grad_()
+
+
+def random_gain(D, dtype, gen):
+    return (1.0 + 0.5 * torch.randn(D, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+
+
+def source_scales(S, gen):
+    """Different magnitudes per source, so the raw-value sum is not the normalised one."""
+    return torch.exp(torch.randn(S, generator=gen, dtype=torch.float64)).tolist()
+
+
+def backward_with(h, w, gen):
+    """Backpropagate fixed random cotangents of h and of the weights; returns them (float64)."""
+    ch = torch.randn(h.shape, generator=gen, dtype=torch.float64)
+    cw = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+    ((h * ch.to(h.dtype)).sum() + (w * cw.to(w.dtype)).sum()).backward()
+    return ch, cw
+
+
+def reference_backward(h, w, ch, cw):
+    ((h * ch).sum() + (w * cw).sum()).backward()
+
+
+# ------------------------------------------------------------------------------------------------
+# against the reference: forward and every gradient
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("S,B,T,D,contiguous,dtype,form", grid(["tensor", "list"]))
+def test_full_attn_res_matches_reference(S, B, T, D, contiguous, dtype, form, rel_err, ref_depth_attention):
+    gen = torch.Generator().manual_seed(S * 1000 + B * 100 + T * 10 + D)
+    scales = source_scales(S, gen)
+    emb_leaf, view = make_leaf((B, T, D), dtype, contiguous, gen, scales[0])
+    if form == "tensor":
+        prev_leaves = [make_leaf((S - 1, B, T, D), dtype, contiguous, gen)[0]]
+        with torch.no_grad():
+            prev_leaves[0].mul_(torch.tensor(scales[1:], dtype=torch.float64).to(dtype).view(-1, 1, 1, 1))
+
+        def previous(leaves):
+            return view(leaves[0])
+
+        def prev_list(leaves):
+            return list(view(leaves[0]).unbind(0))
+    else:
+        prev_leaves = [make_leaf((B, T, D), dtype, contiguous, gen, s)[0] for s in scales[1:]]
+
+        def previous(leaves):
+            return [view(x) for x in leaves]
+
+        prev_list = previous
+    q = random_query(D, dtype, gen)
+
+    emb, prev = view(emb_leaf), previous(prev_leaves)
+    if not contiguous:
+        assert not emb.is_contiguous()
+    out = full_attn_res(emb, prev, q)
+    h, w = out["retrieved_representation"], out["attention_weights"]
+    assert h.shape == (B, T, D) and w.shape == (S, B, T)
+    ch, cw = backward_with(h, w, gen)
+
+    ref_emb, ref_prev, ref_q = upcast_leaf(emb_leaf), [upcast_leaf(x) for x in prev_leaves], upcast_leaf(q)
+    ref_h, ref_w = ref_depth_attention([view(ref_emb), *prev_list(ref_prev)], ref_q, None, 1e-6)
+    reference_backward(ref_h, ref_w, ch, cw)
+
+    tol = TOL[dtype]
+    assert rel_err(h, ref_h) < tol
+    assert rel_err(w, ref_w) < tol
+    assert rel_err(emb_leaf.grad, ref_emb.grad) < tol
+    for leaf, ref_leaf in zip(prev_leaves, ref_prev, strict=True):
+        if leaf.numel():  # an empty (0, B, T, D) stack has no gradient
+            assert rel_err(leaf.grad, ref_leaf.grad) < tol
+    assert rel_err(q.grad, ref_q.grad) < tol
+
+
+@pytest.mark.parametrize("S,B,T,D,contiguous,dtype,variant", grid(["partial-gain", "nopartial-gain", "partial-nogain"]))
+def test_block_attn_res_matches_reference(S, B, T, D, contiguous, dtype, variant, rel_err, ref_depth_attention):
+    gen = torch.Generator().manual_seed(S * 1000 + B * 100 + T * 10 + D + 7)
+    with_partial, with_gain = variant.startswith("partial"), variant.endswith("-gain")
+    scales = source_scales(S, gen)
+    leaves, views = [], []
+    for s in scales:
+        leaf, view = make_leaf((B, T, D), dtype, contiguous, gen, s)
+        leaves.append(leaf)
+        views.append(view)
+    q = random_query(D, dtype, gen)
+    g = random_gain(D, dtype, gen) if with_gain else None
+
+    def split(xs):
+        srcs = [view(x) for view, x in zip(views, xs, strict=True)]
+        return (srcs[:-1], srcs[-1]) if with_partial else (srcs, None)
+
+    blocks, partial = split(leaves)
+    h, w = block_attn_res(blocks, partial, q, norm_weight=g, return_weights=True)
+    assert h.shape == (B, T, D) and w.shape == (S, B, T)
+    ch, cw = backward_with(h, w, gen)
+
+    ref_leaves, ref_q = [upcast_leaf(x) for x in leaves], upcast_leaf(q)
+    ref_g = None if g is None else upcast_leaf(g)
+    ref_blocks, ref_partial = split(ref_leaves)
+    ref_h, ref_w = ref_depth_attention(ref_blocks + ([] if ref_partial is None else [ref_partial]), ref_q, ref_g)
+    reference_backward(ref_h, ref_w, ch, cw)
+
+    tol = TOL[dtype]
+    assert rel_err(h, ref_h) < tol
+    assert rel_err(w, ref_w) < tol
+    for leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
+        assert rel_err(leaf.grad, ref_leaf.grad) < tol
+    assert rel_err(q.grad, ref_q.grad) < tol
+    if g is not None:
+        assert rel_err(g.grad, ref_g.grad) < tol
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2, 0.5], ids=lambda e: f"eps{e:g}")
+def test_eps_is_added_to_the_mean_square(eps, rel_err, ref_depth_attention):
+    """Small sources, where where eps sits (inside the square root, added to mean(v^2)) matters."""
+    gen = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(2, 3, 8, generator=gen, dtype=torch.float64) * s for s in (0.05, 0.3, 0.01)]
+    q, g = random_query(8, torch.float64, gen).detach(), random_gain(8, torch.float64, gen).detach()
+    ref_full, ref_full_w = ref_depth_attention(srcs, q, None, eps)
+    out = full_attn_res(srcs[0], srcs[1:], q, eps=eps)
+    assert rel_err(out["retrieved_representation"], ref_full) < 1e-12
+    assert rel_err(out["attention_weights"], ref_full_w) < 1e-12
+    ref_block, _ = ref_depth_attention(srcs, q, g, eps)
+    assert rel_err(block_attn_res(srcs[:2], srcs[2], q, norm_weight=g, eps=eps), ref_block) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "dtype,magnitude",
+    [
+        pytest.param(torch.float16, 1e4, id="f16-1e4"),
+        pytest.param(torch.bfloat16, 1e30, id="bf16-1e30"),
+        pytest.param(torch.bfloat16, 1e-30, id="bf16-1e-30"),
+        pytest.param(torch.float32, 1e25, id="f32-1e25"),
+    ],
+)
+def test_large_and_small_magnitudes_stay_finite_and_exact(dtype, magnitude, rel_err, ref_depth_attention):
+    """Squares of such values overflow (or underflow) a naive float32 (or half) mean of squares."""
+    gen = torch.Generator().manual_seed(11)
+    limit = torch.finfo(dtype).max / 2
+    srcs = [
+        (torch.randn(2, 4, 16, generator=gen, dtype=torch.float64) * magnitude * s).clamp(-limit, limit).to(dtype)
+        for s in (1.0, 3.0, 0.5, 2.0)
+    ]
+    q = random_query(16, torch.float32, gen).detach()
+    g = random_gain(16, torch.float32, gen).detach()
+
+    h, w = block_attn_res(srcs[:3], srcs[3], q, norm_weight=g, return_weights=True)
+    ref_h, ref_w = ref_depth_attention(srcs, q, g)
+    assert h.dtype == dtype and torch.isfinite(h).all()
+    assert rel_err(w, ref_w) < 1e-5  # logits, max and softmax are float32
+    assert rel_err(h, ref_h) < TOL[dtype]
+
+    out = full_attn_res(srcs[0], torch.stack(srcs[1:]), q)
+    ref_h, ref_w = ref_depth_attention(srcs, q)
+    assert torch.isfinite(out["retrieved_representation"]).all()
+    assert rel_err(out["attention_weights"], ref_w) < 1e-5
+    assert rel_err(out["retrieved_representation"], ref_h) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# contract
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("op", ["full-tensor", "full-list", "block"])
+def test_dtype_device_no_mutation_and_weights_sum_to_one(op, dtype):
+    gen = torch.Generator().manual_seed(5)
+    emb = torch.randn(2, 3, 8, generator=gen).to(dtype)
+    prev = (torch.randn(3, 2, 8, 3, generator=gen) * 4).to(dtype).transpose(-1, -2)  # non-contiguous
+    q, g = torch.randn(8, generator=gen).to(dtype), torch.randn(8, generator=gen).to(dtype)
+    inputs = [emb, prev, q, g]
+    clones = [x.clone() for x in inputs]
+    if op == "block":
+        blocks = [emb, *prev.unbind(0)[:2]]
+        h, w = block_attn_res(blocks, prev[2], q, norm_weight=g, return_weights=True)
+    else:
+        out = full_attn_res(emb, prev if op == "full-tensor" else list(prev.unbind(0)), q)
+        h, w = out["retrieved_representation"], out["attention_weights"]
+    for x, c in zip(inputs, clones, strict=True):
+        assert torch.equal(x, c), "an input was modified"
+    assert h.dtype == dtype and h.device == emb.device and h.shape == (2, 3, 8)
+    assert w.shape == (4, 2, 3) and w.device == emb.device
+    assert w.dtype == torch.promote_types(dtype, torch.float32)
+    assert not torch.allclose(w, torch.full_like(w, 0.25), atol=1e-3), "random queries give non-uniform weights"
+    assert torch.allclose(w.sum(0), torch.ones(2, 3, dtype=w.dtype), atol=1e-6, rtol=0)
+    assert (w >= 0).all()
+
+
+def test_full_attn_res_accepts_zero_previous_layers_in_both_forms():
+    emb = torch.randn(2, 3, 4, dtype=torch.float64)
+    q = torch.randn(4, dtype=torch.float64)
+    for previous in (torch.empty(0, 2, 3, 4, dtype=torch.float64), []):
+        out = full_attn_res(emb, previous, q)
+        assert torch.equal(out["retrieved_representation"], emb)
+        assert torch.equal(out["attention_weights"], torch.ones(1, 2, 3, dtype=torch.float64))
+
+
+def test_tensor_and_list_forms_agree_and_return_weights_is_optional():
+    gen = torch.Generator().manual_seed(2)
+    emb, prev = torch.randn(2, 3, 8, generator=gen), torch.randn(4, 2, 3, 8, generator=gen)
+    q, g = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    a, b = full_attn_res(emb, prev, q), full_attn_res(emb, list(prev), q)
+    assert torch.equal(a["retrieved_representation"], b["retrieved_representation"])
+    assert torch.equal(a["attention_weights"], b["attention_weights"])
+    h = block_attn_res([emb, prev[0]], prev[1], q, norm_weight=g)
+    assert isinstance(h, torch.Tensor)
+    assert torch.equal(h, block_attn_res([emb, prev[0]], prev[1], q, norm_weight=g, return_weights=True)[0])
+    # no partial block: the empty partial sum is left out, not attended to as zeros
+    h, w = block_attn_res([emb, prev[0]], None, q, return_weights=True)
+    assert w.shape == (2, 2, 3)
+
+
+def _e(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+ERRORS = [
+    (
+        "full-query-wrong-length",
+        lambda: full_attn_res(_e(2, 3, 8), [_e(2, 3, 8)], _e(7)),
+        r"pseudo_query.*\(8,\).*\(7,\)",
+    ),
+    ("full-sources-differ", lambda: full_attn_res(_e(2, 3, 8), [_e(2, 4, 8)], _e(8)), r"source 1 is \(2, 4, 8\)"),
+    ("full-non-3d-embedding", lambda: full_attn_res(_e(6, 8), [], _e(8)), r"\(B, T, D\).*\(6, 8\)"),
+    ("full-non-3d-previous", lambda: full_attn_res(_e(2, 3, 8), [_e(6, 8)], _e(8)), r"source 1 is \(6, 8\)"),
+    (
+        "full-3d-tensor-previous",
+        lambda: full_attn_res(_e(2, 3, 8), _e(2, 3, 8), _e(8)),
+        r"previous_outputs.*\(2, 3, 8\)",
+    ),
+    (
+        "full-dtype-differs",
+        lambda: full_attn_res(_e(2, 3, 8), [_e(2, 3, 8, dtype=torch.float64)], _e(8)),
+        r"dtype.*float32.*float64",
+    ),
+    ("full-eps-zero", lambda: full_attn_res(_e(2, 3, 8), [], _e(8), eps=0.0), r"eps.*0\.0"),
+    ("full-eps-negative", lambda: full_attn_res(_e(2, 3, 8), [], _e(8), eps=-1e-6), r"eps"),
+    ("block-query-wrong-length", lambda: block_attn_res([_e(2, 3, 8)], None, _e(9)), r"pseudo_query.*\(8,\).*\(9,\)"),
+    ("block-gain-wrong-length", lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), _e(4)), r"norm_weight.*\(4,\)"),
+    (
+        "block-partial-differs",
+        lambda: block_attn_res([_e(2, 3, 8)], _e(2, 3, 5), _e(8)),
+        r"source 1 is \(2, 3, 5\)",
+    ),
+    (
+        "block-blocks-differ",
+        lambda: block_attn_res([_e(2, 3, 8), _e(1, 3, 8)], None, _e(8)),
+        r"source 1 is \(1, 3, 8\)",
+    ),
+    ("block-non-3d", lambda: block_attn_res([_e(1, 2, 3, 8)], None, _e(8)), r"\(B, T, D\)"),
+    ("block-no-sources", lambda: block_attn_res([], None, _e(8)), r"at least one source"),
+    ("block-eps-zero", lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), eps=0), r"eps"),
+    ("block-eps-negative", lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), eps=-0.1), r"eps"),
+]
+
+
+@pytest.mark.parametrize("call,match", [pytest.param(c, m, id=i) for i, c, m in ERRORS])
+def test_bad_inputs_raise_value_error_naming_the_mismatch(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ------------------------------------------------------------------------------------------------
+# gradcheck (float64)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_gradcheck_full_attn_res():
+    gen = torch.Generator().manual_seed(0)
+    emb = torch.randn(2, 2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    prev = (torch.randn(2, 2, 2, 4, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    q = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def fn(emb, prev, q):
+        out = full_attn_res(emb, prev, q)
+        return out["retrieved_representation"], out["attention_weights"]
+
+    assert torch.autograd.gradcheck(fn, (emb, prev, q))
+
+
+def test_gradcheck_block_attn_res():
+    gen = torch.Generator().manual_seed(1)
+    b0, b1, partial = (torch.randn(2, 2, 4, generator=gen, dtype=torch.float64) * s for s in (1.0, 2.0, 0.5))
+    q, g = torch.randn(4, generator=gen, dtype=torch.float64), 1 + torch.randn(4, generator=gen, dtype=torch.float64)
+    inputs = tuple(x.requires_grad_() for x in (b0, b1, partial, q, g))
+
+    def fn(b0, b1, partial, q, g):
+        return block_attn_res([b0, b1], partial, q, norm_weight=g, return_weights=True)
+
+    assert torch.autograd.gradcheck(fn, inputs)
