@@ -1,0 +1,174 @@
+"""The pieces of a run that `cli.py` strings together: choices, checkpoints, precision,
+progress and the run summary. Kept here so that `cli.py` reads as compose -> instantiate -> fit."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from hydra.errors import InstantiationException
+from omegaconf.errors import MissingMandatoryValue
+from pytorch_lightning.callbacks import TQDMProgressBar
+
+from attnres.training.errors import ConfigError
+from attnres.training.io import write_json
+from attnres.training.lit import peak_memory_bytes
+
+GROUPS_CHECKED = ("residual", "model", "data", "trainer", "optim", "logger", "callbacks", "experiment", "debug")
+
+
+def check_group_choices(argv: list[str], conf_dir: Path) -> None:
+    """Reject `group=name` overrides that name no config file, listing the choices.
+
+    Hydra would say so too, over several lines and with exit status 1; this says it in
+    one line before anything is composed.
+    """
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS_CHECKED or value in ("", "null") or "," in value or "(" in value:
+            continue
+        choices = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
+        if value not in choices:
+            hint = difflib.get_close_matches(value, choices, n=1)
+            maybe = f" (did you mean {hint[0]}?)" if hint else ""
+            raise ConfigError(f"unknown {key} '{value}'{maybe}; choose one of: {', '.join(choices)}")
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn errors that are the user's to fix into one line on stderr and exit status 2.
+
+    `HYDRA_FULL_ERROR=1` re-raises them with the full traceback instead.
+    """
+    try:
+        yield
+    except MissingMandatoryValue as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        key = err.full_key or "a required key"
+        print(f"attnres-run: error: {key} has no value; set {key}=<value> on the command line", file=sys.stderr)
+        sys.exit(2)
+    except (ConfigError, InstantiationException) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        cause = err
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(err, InstantiationException) and not isinstance(cause, (ValueError, TypeError, OSError)):
+            raise
+        hint = "  (HYDRA_FULL_ERROR=1 shows the full trace)" if cause is not err else ""
+        print(f"attnres-run: error: {cause}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+
+def resolve_precision(precision: Any, accelerator: str) -> Any:
+    """`precision: auto` -> bf16-mixed on a GPU that supports it, else 32-true."""
+    if precision != "auto":
+        return precision
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwrite: bool) -> str | None:
+    """The checkpoint to continue from, or None for a fresh run; refuses to clobber a run."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if ckpt_path:
+        if not Path(ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path={ckpt_path} is not a file; pass the path of a .ckpt written by attnres-run")
+        return str(ckpt_path)
+    if resume:
+        if not last.is_file():
+            raise ConfigError(
+                f"resume=true but {last} does not exist; run without resume=true to start this run, "
+                "or pass ckpt_path=<file>"
+            )
+        return str(last)
+    if last.is_file() and not overwrite:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({last}); pass resume=true to continue it, "
+            "overwrite=true to start it again, or name=<new name> for a new folder"
+        )
+    return None
+
+
+def check_checkpoint(path: str, module: pl.LightningModule) -> None:
+    """Fail early, in one line, on a checkpoint that is unreadable or for another model."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # any failure to unpickle means the same thing to the user
+        raise ConfigError(f"checkpoint {path} is corrupt or not a checkpoint ({type(err).__name__}: {err})") from err
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if state is None:
+        raise ConfigError(f"checkpoint {path} has no 'state_dict'; it was not written by attnres-run")
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        which = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which this model lacks"
+        raise ConfigError(
+            f"checkpoint {path} does not match this model: it {which} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected keys); "
+            "resume with the config it was trained with (.hydra/config.yaml in its run folder)"
+        )
+    for key, value in expected.items():
+        if state[key].shape != value.shape:
+            raise ConfigError(
+                f"checkpoint {path} does not match this model: {key} is {tuple(state[key].shape)} there "
+                f"but {tuple(value.shape)} here; resume with the config it was trained with"
+            )
+
+
+class StepProgressBar(TQDMProgressBar):
+    """A progress bar over optimiser steps (of `max_steps`), not over the epoch's batches."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        if trainer.max_steps and trainer.max_steps > 0:
+            self.train_progress_bar.reset(total=trainer.max_steps)
+            self.train_progress_bar.n = trainer.global_step
+            self.train_progress_bar.set_description("steps")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        bar = self.train_progress_bar
+        if bar is not None and trainer.max_steps and trainer.max_steps > 0:
+            if self._should_update(trainer.global_step, bar.total) or trainer.global_step >= trainer.max_steps:
+                bar.n = trainer.global_step
+                bar.set_postfix(self.get_metrics(trainer, pl_module))
+                bar.refresh()
+            return
+        super().on_train_batch_end(trainer, pl_module, *args)
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def write_summary(
+    run_dir: Path, trainer: pl.Trainer, module: Any, wall_time_s: float, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """metrics.json: final metrics, parameter counts, tokens seen, wall time and peak memory."""
+    metrics = {k: _scalar(v) for k, v in trainer.callback_metrics.items()}
+    model = module.model
+    summary = {
+        "status": "finished",
+        "metrics": {k: v for k, v in sorted(metrics.items()) if not k.startswith(("lr/", "perf/"))},
+        "tokens_per_sec": module.session_tokens / module.session_train_s if module.session_train_s else None,
+        "parameters": model.num_parameters() if hasattr(model, "num_parameters") else None,
+        "parameters_without_residual": (
+            model.num_parameters(exclude_residual=True) if hasattr(model, "num_parameters") else None
+        ),
+        "tokens_seen": module.tokens_seen,
+        "steps": trainer.global_step,
+        "wall_time_s": round(wall_time_s, 3),
+        "peak_memory_bytes": peak_memory_bytes(module.device),
+        **extra,
+    }
+    write_json(run_dir / "metrics.json", summary)
+    return summary

@@ -1,0 +1,93 @@
+"""attnres-run: compose the config, instantiate the parts, fit, validate, write the summary.
+
+    attnres-run residual=block num_blocks=8          # one run
+    attnres-run -m residual=standard,full,block      # a sweep
+    attnres-run --cfg job                            # print the composed config
+
+In a source checkout this file sits beside the `attnres` package; in a wheel it is
+`attnres/cli.py`, with `conf/` as `attnres/conf/`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import pytorch_lightning as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from attnres.training.io import AtomicCheckpointIO
+from attnres.training.lit import LitLanguageModel
+from attnres.training.run import (
+    check_checkpoint,
+    check_group_choices,
+    resolve_precision,
+    resume_checkpoint,
+    user_errors,
+    write_summary,
+)
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+OmegaConf.register_new_resolver("attnres.run_id", lambda dirname: dirname or "defaults", replace=True)
+
+
+def train(cfg: DictConfig) -> dict:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
+    module = LitLanguageModel(
+        model,
+        optimizer=instantiate(cfg.optim.optimizer),
+        schedule=instantiate(cfg.optim.schedule),
+        query_lr_scale=cfg.optim.query_lr_scale,
+        total_steps=cfg.optim.total_steps,
+        compile=cfg.compile,
+        metric=datamodule.metric,
+    )
+    if ckpt:
+        check_checkpoint(ckpt, module)
+    loggers = [instantiate(c) for c in cfg.logger.values()]
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    trainer = instantiate(
+        cfg.trainer,
+        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
+        logger=loggers or False,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
+    )
+
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+    if not trainer.fast_dev_run:
+        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    choices = hydra_cfg.runtime.choices
+    return write_summary(
+        run_dir, trainer, module, time.perf_counter() - start,
+        extra={"residual": choices.get("residual"), "model": choices.get("model"), "data": choices.get("data"),
+               "overrides": list(hydra_cfg.overrides.task), "resumed_from": ckpt},
+    )
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    with user_errors():
+        train(cfg)
+
+
+def main() -> None:
+    with user_errors():
+        check_group_choices(sys.argv[1:], CONF_DIR)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
