@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.callbacks import ProgressBar
 
 from attnres.training.io import AtomicCheckpointIO
 from attnres.training.lit import LitLanguageModel
@@ -56,6 +57,8 @@ def train(cfg: DictConfig) -> dict:
         check_checkpoint(ckpt, module)
     loggers = [instantiate(c) for c in cfg.logger.values()]
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     trainer = instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
