@@ -12,6 +12,10 @@ from pathlib import Path
 
 
 def main() -> None:
+    # As with `python -m`, the current folder is importable, so a strategy in ./my_residual.py
+    # plugs in with `residual._target_=my_residual.MyResidual`.
+    if "" not in sys.path and sys.path[0] != str(Path.cwd()):
+        sys.path.insert(0, str(Path.cwd()))
     if importlib.util.find_spec("attnres.cli") is not None:
         from attnres import cli
     else:
