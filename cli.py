@@ -1,7 +1,7 @@
 """attnres-run: compose the config, instantiate the parts, fit, validate, write the summary.
 
     attnres-run residual=block num_blocks=8          # one run
-    attnres-run -m residual=standard,full,block      # a sweep
+    attnres-run -m residual=standard,full,block      # a sweep (attnres/training/sweep.py)
     attnres-run --cfg job                            # print the composed config
 
 In a source checkout this file sits beside the `attnres` package; in a wheel it is
@@ -13,14 +13,17 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from pytorch_lightning.callbacks import ProgressBar
 
+from attnres.training import sweep
 from attnres.training.io import AtomicCheckpointIO
 from attnres.training.lit import LitLanguageModel
 from attnres.training.run import (
@@ -28,18 +31,17 @@ from attnres.training.run import (
     check_group_choices,
     resolve_precision,
     resume_checkpoint,
+    run_child_job,
     user_errors,
     write_summary,
 )
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-OmegaConf.register_new_resolver("attnres.run_id", lambda dirname: dirname or "defaults", replace=True)
 
 
-def train(cfg: DictConfig) -> dict:
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
+def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
+    """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
+    ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite, missing_ok=info.get("multirun"))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = instantiate(cfg.data)
@@ -72,21 +74,28 @@ def train(cfg: DictConfig) -> dict:
     if not trainer.fast_dev_run:
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
         trainer.validate(module, datamodule=datamodule, verbose=False)
-    choices = hydra_cfg.runtime.choices
-    return write_summary(
-        run_dir, trainer, module, time.perf_counter() - start,
-        extra={"residual": choices.get("residual"), "model": choices.get("model"), "data": choices.get("data"),
-               "overrides": list(hydra_cfg.overrides.task), "resumed_from": ckpt},
-    )
+    if not trainer.is_global_zero:
+        return {}
+    return write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    choices = hydra_cfg.runtime.choices
+    info = {"residual": choices.get("residual"), "model": choices.get("model"), "data": choices.get("data"),
+            "overrides": list(hydra_cfg.overrides.task), "multirun": hydra_cfg.mode == RunMode.MULTIRUN}
+    if info["multirun"]:
+        sweep.run_isolated(cfg, run_dir, info)  # a fresh process on a claimed device; never raises
+        return
     with user_errors():
-        train(cfg)
+        train(cfg, run_dir, info)
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--run-job"]:  # a sweep job's own process (see attnres/training/sweep.py)
+        sys.exit(run_child_job(Path(sys.argv[2]), train))
     with user_errors():
         check_group_choices(sys.argv[1:], CONF_DIR)
     _hydra_main()

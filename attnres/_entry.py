@@ -26,4 +26,8 @@ def main() -> None:
         cli = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = cli
         spec.loader.exec_module(cli)
+        # sweep workers cannot import this module by name: send its functions by value
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(cli)
     cli.main()

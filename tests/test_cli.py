@@ -84,6 +84,16 @@ def test_option_composes_and_instantiates(composed, tmp_path, group, option):
     instantiate(cfg.trainer, precision="32-true" if cfg.trainer.precision == "auto" else cfg.trainer.precision)
 
 
+@pytest.mark.parametrize("launcher", ["parallel", "slurm"])
+def test_launchers_compose_and_instantiate(composed, launcher):
+    cfg = composed([f"hydra/launcher={launcher}"])
+    target = cfg.hydra.launcher._target_
+    assert target.startswith("hydra_plugins."), target  # where Hydra requires launchers to live
+    module, _, name = target.rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    assert cls.__module__ == module  # Hydra registers plugins by the module that defines them
+
+
 def test_top_level_num_blocks_feeds_block_strategy(composed):
     cfg = composed(["residual=block", "num_blocks=8"])
     assert cfg.residual.num_blocks == 8

@@ -1,9 +1,22 @@
-"""The experiment runner's library: Lightning module, data modules, schedules, callbacks.
+"""The experiment runner's library: Lightning module, data modules, schedules, callbacks, sweeps.
 
-Imports Lightning; `import attnres` alone does not load this package.
+Imports Lightning (lazily: `attnres.training.sweep`, which Hydra imports at start-up to find
+its launcher, must not pay for it); `import attnres` alone does not load this package.
 """
 
-from attnres.training.errors import ConfigError
-from attnres.training.lit import LitLanguageModel, parameter_groups
+from importlib import import_module
+from typing import Any
 
-__all__ = ["ConfigError", "LitLanguageModel", "parameter_groups"]
+_EXPORTS = {
+    "ConfigError": "attnres.training.errors",
+    "LitLanguageModel": "attnres.training.lit",
+    "parameter_groups": "attnres.training.lit",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'attnres.training' has no attribute {name!r}")

@@ -5,21 +5,29 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from pytorch_lightning.callbacks import TQDMProgressBar
 
 from attnres.training.errors import ConfigError
 from attnres.training.io import write_json
 from attnres.training.lit import peak_memory_bytes
+
+# `${attnres.run_id:${hydra.job.override_dirname}}` in conf/config.yaml: the run folder's name.
+# Registered here, on import, so that sweep workers have it too.
+if not OmegaConf.has_resolver("attnres.run_id"):
+    OmegaConf.register_new_resolver("attnres.run_id", lambda dirname: dirname or "defaults")
 
 GROUPS_CHECKED = ("residual", "model", "data", "trainer", "optim", "logger", "callbacks", "experiment", "debug")
 
@@ -76,14 +84,21 @@ def resolve_precision(precision: Any, accelerator: str) -> Any:
     return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
 
 
-def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwrite: bool) -> str | None:
-    """The checkpoint to continue from, or None for a fresh run; refuses to clobber a run."""
+def resume_checkpoint(
+    run_dir: Path, resume: bool, ckpt_path: str | None, overwrite: bool, missing_ok: bool = False
+) -> str | None:
+    """The checkpoint to continue from, or None for a fresh run; refuses to clobber a run.
+
+    `missing_ok` (sweeps): `resume=true` starts a job afresh when it has no checkpoint yet.
+    """
     last = run_dir / "checkpoints" / "last.ckpt"
     if ckpt_path:
         if not Path(ckpt_path).is_file():
             raise ConfigError(f"ckpt_path={ckpt_path} is not a file; pass the path of a .ckpt written by attnres-run")
         return str(ckpt_path)
     if resume:
+        if not last.is_file() and missing_ok:
+            return None
         if not last.is_file():
             raise ConfigError(
                 f"resume=true but {last} does not exist; run without resume=true to start this run, "
@@ -172,3 +187,33 @@ def write_summary(
     }
     write_json(run_dir / "metrics.json", summary)
     return summary
+
+
+def run_child_job(spec_path: Path, train: Callable[[DictConfig, Path, dict[str, Any]], dict]) -> int:
+    """Body of a sweep job's own process: run `train` on the spec the launcher's worker wrote,
+    and record any failure in metrics.json (status "failed" and the error) instead of raising."""
+    import logging
+    import traceback
+
+    spec = json.loads(spec_path.read_text())
+    run_dir, info = Path(spec["run_dir"]), spec["info"]
+    threads = info.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    start = time.perf_counter()
+    try:
+        train(OmegaConf.create(spec["config"]), run_dir, info)
+        return 0
+    except BaseException as err:  # a job's failure is data for the summary, not a crash of the sweep
+        traceback.print_exc()
+        message = str(err).splitlines()[0] if str(err) else ""
+        cause = err
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+            message = str(cause).splitlines()[0] if str(cause) else message
+        write_json(run_dir / "metrics.json", {
+            "status": "failed", "error": f"{type(cause).__name__}: {message}"[:500], "slot": info.get("slot"),
+            "wall_time_s": round(time.perf_counter() - start, 3), "overrides": info.get("overrides"),
+        })
+        return 1
