@@ -13,7 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from attnres.training.io import atomic_write
 
@@ -144,3 +145,13 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
     fig.savefig(buffer, format="png")
     plt.close(fig)
     atomic_write(sweep_dir / "summary.png", lambda f: f.write(buffer.getvalue()))
+
+
+class SweepSummary(Callback):
+    """Hydra callback: writes the summary when a sweep ends, whichever launcher ran it."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if sweep_dir.is_dir():
+            write_sweep_summary(sweep_dir)
+            print(f"sweep summary: {sweep_dir / 'summary.md'}")

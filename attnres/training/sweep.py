@@ -18,7 +18,8 @@ extension of Hydra's joblib launcher:
 - Resume. With `resume=true`, finished jobs are skipped and unfinished ones continue from
   their last checkpoint.
 
-At the end the sweep folder gets summary.csv, summary.md and summary.png (`summary.py`).
+At the end the sweep folder gets summary.csv, summary.md and summary.png (`summary.py`, a
+Hydra callback, so that sweeps through other launchers get them too).
 """
 
 from __future__ import annotations
@@ -155,8 +156,6 @@ class ParallelLauncher(JoblibLauncher):
         self.lock_dir = Path(lock_dir) if lock_dir else default_lock_dir()
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from attnres.training.summary import write_sweep_summary
-
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         slots = plan_slots(visible_gpus(), self.jobs_per_gpu, self.cpu_jobs)
@@ -187,9 +186,7 @@ class ParallelLauncher(JoblibLauncher):
         if to_run:
             self.joblib["n_jobs"] = min(len(slots), len(to_run))
             results = joblib_launch(self, job_overrides=to_run, initial_job_idx=initial_job_idx)
-        write_sweep_summary(sweep_dir)
-        log.info(f"sweep summary: {sweep_dir / 'summary.md'}")
-        return results
+        return results  # the summary is written by the SweepSummary callback (conf/config.yaml)
 
 
 # -- one job (in a launcher's worker): train in a child process, on the claimed slot ---------------
