@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from attnres.training.run import (
 )
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+# Lightning 2.6 with torch >= 2.10 warns about its own use of a torch API, once per run
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
@@ -72,7 +75,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
     if not trainer.fast_dev_run:
-        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
         trainer.validate(module, datamodule=datamodule, verbose=False)
     if not trainer.is_global_zero:
         return {}
