@@ -10,6 +10,7 @@ In a source checkout this file sits beside the `attnres` package; in a wheel it 
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import warnings
@@ -38,8 +39,10 @@ from attnres.training.run import (
 )
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-# Lightning 2.6 with torch >= 2.10 warns about its own use of a torch API, once per run
+# Lightning 2.6 with torch >= 2.10 warns about its own use of a torch API, once per run,
+# and advertises a cloud service at every start; neither is the user's concern
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: not str(r.msg).startswith("💡"))
 
 
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
