@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres.training.data import exact_match
+from attnres.training.errors import ConfigError
 
 LN2 = math.log(2.0)
 
@@ -125,7 +126,10 @@ class LitLanguageModel(pl.LightningModule):
             return optimizer
         total = self.total_steps or self.trainer.max_steps
         if total is None or total < 1:
-            raise ValueError("a learning-rate schedule needs trainer.max_steps (or optim.total_steps) >= 1")
+            raise ConfigError(
+                f"the learning-rate schedule needs a length: set trainer.max_steps (now {self.trainer.max_steps}) "
+                "or optim.total_steps to a positive number of steps"
+            )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(self.schedule_factory, total_steps=total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

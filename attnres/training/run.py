@@ -39,14 +39,15 @@ def check_group_choices(argv: list[str], conf_dir: Path) -> None:
     one line before anything is composed.
     """
     for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in GROUPS_CHECKED or value in ("", "null") or "," in value or "(" in value:
-            continue
+        key, sep, values = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS_CHECKED or any(c in values for c in "()[]{}$"):
+            continue  # not a group choice, or a sweep expression Hydra will expand itself
         choices = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
-        if value not in choices:
-            hint = difflib.get_close_matches(value, choices, n=1)
-            maybe = f" (did you mean {hint[0]}?)" if hint else ""
-            raise ConfigError(f"unknown {key} '{value}'{maybe}; choose one of: {', '.join(choices)}")
+        for value in values.split(","):  # `residual=standard,block` in a sweep
+            if value not in choices and value not in ("", "null"):
+                hint = difflib.get_close_matches(value, choices, n=1)
+                maybe = f" (did you mean {hint[0]}?)" if hint else ""
+                raise ConfigError(f"unknown {key} '{value}'{maybe}; choose one of: {', '.join(choices)}")
 
 
 @contextlib.contextmanager
