@@ -79,8 +79,8 @@ def test_option_composes_and_instantiates(composed, tmp_path, group, option):
     instantiate(cfg.optim.schedule)(0, total_steps=10)
     [instantiate(c) for c in cfg.logger.values()]
     [instantiate(c) for c in cfg.callbacks.values()]
-    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
-        pytest.skip("trainer=gpu needs a GPU to instantiate; it composed")
+    if (cfg.trainer.accelerator == "gpu" or cfg.trainer.get("strategy") == "fsdp") and not torch.cuda.is_available():
+        pytest.skip(f"trainer={cfg.hydra.runtime.choices.trainer} needs a GPU to instantiate; it composed")
     instantiate(cfg.trainer, precision="32-true" if cfg.trainer.precision == "auto" else cfg.trainer.precision)
 
 

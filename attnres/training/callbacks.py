@@ -1,0 +1,301 @@
+"""TensorBoard dashboards: what the depth attention learned, and what the run was.
+
+`DepthDashboard` probes a fixed validation batch at the first step, every `every_n_steps`
+and at the end of fit, and logs (tags in brackets; `<sub>` is `L03_mlp`-style, or `output`):
+
+- depth-attention weights averaged over tokens as a heatmap [depth/heatmap], per-sublayer
+  entropy [depth/entropy/<sub>], weight on the embedding [depth/embedding_weight/<sub>] and
+  per-token weights as histograms [depth/weights/<sub>]; AttnRes strategies only;
+- RMS of each sublayer's input and output [magnitude/plot, magnitude/input/<sub>,
+  magnitude/output/<sub>]; every strategy;
+- the gradient norm of each Transformer layer's parameters, before clipping, from the
+  training step of the same number [grad_norm/plot, grad_norm/layer_03].
+
+Each figure's raw array is logged beside it as a tensor summary ([depth/heatmap_data], ...)
+with its labels as plugin metadata, so `experiments/plot_run.py` redraws the same picture.
+Nothing is hooked: the probe arms the strategy's `record_next()` for one no-grad forward, and
+gradient norms are read from `.grad` in `on_before_optimizer_step` on the logged steps only.
+
+`HParamsSummary` writes the run's hyperparameters for TensorBoard's HParams tab; the metric
+columns are the last values of the listed scalar tags (the final validation, once
+`attnres-run` has run it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+from pytorch_lightning.utilities import rank_zero_warn
+from torch import Tensor
+
+from attnres.residual import FullAttentionResidual, StandardResidual
+from attnres.training import figures
+
+
+def tensorboard_writer(trainer: pl.Trainer) -> Any:
+    """The SummaryWriter of the trainer's TensorBoardLogger on rank 0, else None."""
+    if not trainer.is_global_zero:
+        return None
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def _write_summary(writer: Any, summary: Any, step: int | None = None) -> None:
+    # SummaryWriter has no public call for a prebuilt Summary proto; Lightning's own
+    # TensorBoardLogger.log_hyperparams goes through the same file writer.
+    writer._get_file_writer().add_summary(summary, step)
+
+
+def log_array(writer: Any, tag: str, array: np.ndarray, meta: Mapping[str, Any], step: int) -> None:
+    """A float32 tensor summary with `meta` (JSON) as its plugin data: the raw data of a figure."""
+    from torch.utils.tensorboard.summary import tensor_proto
+
+    summary = tensor_proto(tag, torch.as_tensor(np.asarray(array, dtype=np.float32)))
+    plugin = summary.value[0].metadata.plugin_data
+    plugin.plugin_name, plugin.content = "attnres_dashboard", json.dumps(dict(meta)).encode()
+    _write_summary(writer, summary, step)
+
+
+def strategy_layout(residual: Any) -> tuple[str, list[str], str]:
+    """(name for titles, column labels of the heatmap, what the columns are) of a strategy."""
+    L = residual.num_layers
+    if hasattr(residual, "num_blocks"):
+        cols = ["emb", *(f"block {n}" for n in range(1, residual.num_blocks + 1))]
+        return (f"Block AttnRes (N={residual.num_blocks})", cols,
+                "source: the embedding, then each block (in a row, its own block is the partial sum so far)")
+    if isinstance(residual, FullAttentionResidual):
+        return ("Full AttnRes", ["emb", *(figures.sublayer_label(i, L) for i in range(L))],
+                "source: the embedding, then the output of each earlier sublayer")
+    if isinstance(residual, StandardResidual):
+        return "Standard residual", [], ""
+    return type(residual).__name__, [], "source"  # a plugin strategy: sources are numbered when weights come
+
+
+class DepthDashboard(pl.Callback):
+    """Depth-attention heatmaps, magnitudes and gradient norms across depth (module docstring).
+
+    every_n_steps: log at step 0 (or the first step of a resumed run), at every multiple of
+    this, and at the end of fit. probe_size: validation examples in the fixed probe batch.
+    histograms: also log the per-token weights of each sublayer as histograms.
+    """
+
+    def __init__(self, every_n_steps: int = 100, probe_size: int = 8, histograms: bool = True) -> None:
+        if every_n_steps < 1 or probe_size < 1:
+            raise ValueError(f"every_n_steps and probe_size must be >= 1, got {every_n_steps} and {probe_size}")
+        self.every_n_steps, self.probe_size, self.histograms = every_n_steps, probe_size, histograms
+        self._writer: Any = None
+        self._probe: Tensor | None = None
+        self._first_step = 0
+        self._last_probe_step: int | None = None
+        self.probe_seconds = 0.0  # time spent in probes and drawing (for the record)
+
+    # -- schedule ---------------------------------------------------------------------------
+    def _due(self, step: int) -> bool:
+        return step == self._first_step or step % self.every_n_steps == 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._writer, self._probe, self._last_probe_step = tensorboard_writer(trainer), None, None
+        if self._writer is None:
+            return
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            # sharded parameters (FSDP, DeepSpeed): rank 0 can neither run the model alone nor
+            # see whole gradients
+            rank_zero_warn(f"DepthDashboard: off under {type(trainer.strategy).__name__} (sharded parameters)")
+            self._writer = None
+            return
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "probe_batch"):
+            rank_zero_warn("DepthDashboard: the data module has no probe_batch(n); depth and magnitude plots are off")
+            return
+        n = self.probe_size
+        if hasattr(datamodule, "val_dataset") and len(datamodule.val_dataset()) < n:
+            n = len(datamodule.val_dataset())
+            rank_zero_warn(f"DepthDashboard: probe_size={self.probe_size} but the validation set has {n} examples; "
+                           f"probing {n}")
+        self._probe = datamodule.probe_batch(n)[0]  # (n, T) token ids, taken once
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._probe is not None and step != self._last_probe_step and self._due(step):
+            self.probe(trainer, pl_module, step)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        step = trainer.global_step
+        last = trainer.max_steps is not None and step == trainer.max_steps - 1
+        if self._writer is not None and (self._due(step) or last):
+            self.log_grad_norms(pl_module.model, step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._probe is not None and trainer.global_step != self._last_probe_step:
+            self.probe(trainer, pl_module, trainer.global_step)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._probe, self._writer = None, None
+
+    # -- the probe --------------------------------------------------------------------------
+    def probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """One recorded, no-grad, eval-mode forward of the probe batch; logs what it saw."""
+        start = time.perf_counter()
+        model = pl_module.model  # the plain module: never the compiled wrapper
+        residual = model.residual
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                residual.record_next()
+                model(self._probe.to(pl_module.device))
+                record = residual.recorded
+        finally:
+            residual._record_next = False  # even if the forward failed before taking it
+            residual.recorded = None  # drop the recorded tensors now
+            model.train(was_training)
+        self._last_probe_step = step
+        if record is not None:
+            name, cols, sources = strategy_layout(residual)
+            self.log_magnitudes(record, name, step)
+            if residual.has_depth_attention and record.weights:
+                self.log_depth_weights(record, name, cols, sources, step)
+        self.probe_seconds += time.perf_counter() - start
+
+    def _image(self, tag: str, data: np.ndarray, meta: Mapping[str, Any], step: int) -> None:
+        log_array(self._writer, figures.FIGURE_TAGS[tag], data, meta, step)
+        fig = figures.render(tag, data, meta, step)
+        self._writer.add_image(tag, figures.to_rgb(fig), step, dataformats="HWC")
+
+    def log_magnitudes(self, record: Any, name: str, step: int) -> None:
+        if not record.input_rms:
+            return
+        L = len(record.input_rms)
+        data = torch.stack([torch.stack(record.input_rms), torch.stack(record.output_rms)]).cpu().numpy()  # (2, L)
+        for index in range(L):
+            sub = figures.sublayer_tag(index, L)
+            self._writer.add_scalar(f"magnitude/input/{sub}", float(data[0, index]), step)
+            self._writer.add_scalar(f"magnitude/output/{sub}", float(data[1, index]), step)
+        self._image("magnitude/plot", data, {"strategy": name, "labels": [figures.sublayer_label(i, L)
+                                                                           for i in range(L)]}, step)
+
+    def log_depth_weights(self, record: Any, name: str, cols: Sequence[str], sources: str, step: int) -> None:
+        L = record.num_layers
+        rows = sorted(record.weights)
+        width = max(record.weights[r].shape[0] for r in rows)
+        cols = list(cols) if len(cols) >= width else [f"source {i}" for i in range(width)]
+        grid = np.full((len(rows), len(cols)), np.nan, dtype=np.float32)
+        for r, index in enumerate(rows):
+            w = record.weights[index].float()  # (S_l, B, T)
+            grid[r, : w.shape[0]] = w.mean(dim=(1, 2)).cpu().numpy()
+            sub = figures.sublayer_tag(index, L)
+            entropy = -(w * w.clamp_min(1e-12).log()).sum(dim=0).mean()  # nats, mean over tokens
+            self._writer.add_scalar(f"depth/entropy/{sub}", entropy.item(), step)
+            self._writer.add_scalar(f"depth/embedding_weight/{sub}", w[0].mean().item(), step)
+            if self.histograms:
+                self._writer.add_histogram(f"depth/weights/{sub}", w.flatten().cpu().numpy(), step,
+                                           bins=np.linspace(0.0, 1.0, 41))
+        row_labels = [figures.sublayer_label(i, L) for i in rows]
+        meta = {"strategy": name, "rows": row_labels, "cols": cols, "sources": sources}
+        self._image("depth/heatmap", grid, meta, step)
+
+    def log_grad_norms(self, model: torch.nn.Module, step: int) -> None:
+        start = time.perf_counter()
+        sublayers = model.sublayers
+        norms = []
+        for k in range(len(sublayers) // 2):  # layer k = sublayers 2k (attention) and 2k+1 (MLP)
+            grads = [p.grad.detach().float().norm() for i in (2 * k, 2 * k + 1)
+                     for p in sublayers[i].parameters() if p.grad is not None]
+            norms.append(torch.stack(grads).norm() if grads else torch.tensor(float("nan")))
+        values = torch.stack([n.cpu() for n in norms]).numpy()  # one sync
+        for k, value in enumerate(values):
+            if not math.isnan(value):
+                self._writer.add_scalar(f"grad_norm/layer_{k:02d}", float(value), step)
+        name = strategy_layout(model.residual)[0]
+        self._image("grad_norm/plot", values, {"strategy": name, "labels": [f"L{k}" for k in range(len(values))]},
+                    step)
+        self.probe_seconds += time.perf_counter() - start
+
+
+class HParamsSummary(pl.Callback):
+    """Writes `hparams` (name -> bool/int/float/str, None = not applicable to this run) and
+    the metric names for TensorBoard's HParams tab at fit start, and the session's end status
+    at fit end. TensorBoard fills each metric column with the last value of that scalar tag in
+    the run, so a run shows its final validation once `attnres-run` has run it after fit.
+
+    Every run of a sweep writes the same experiment definition (same names, same types: a None
+    is declared numeric and left empty), because TensorBoard reads it from one run only.
+    `parameters` (the model's parameter count) is added when the model can count them.
+    """
+
+    def __init__(self, hparams: Mapping[str, Any], metrics: Sequence[str] = ("val/loss",)) -> None:
+        bad = {k: v for k, v in hparams.items() if v is not None and not isinstance(v, (bool, int, float, str))}
+        if bad:
+            raise ValueError(f"hparams values must be bool, int, float, str or null; got {bad}")
+        self.hparams, self.metrics = dict(hparams), list(metrics)
+        self._writer: Any = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._writer = tensorboard_writer(trainer)
+        if self._writer is None:
+            return
+        values = dict(self.hparams)
+        model = getattr(pl_module, "model", None)
+        if hasattr(model, "num_parameters"):
+            values["parameters"] = model.num_parameters()
+        experiment, start, _ = hparams_summaries(values, self.metrics)
+        _write_summary(self._writer, experiment)
+        _write_summary(self._writer, start)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end("STATUS_SUCCESS")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._end("STATUS_FAILURE")
+
+    def _end(self, status: str) -> None:
+        if self._writer is not None:
+            _write_summary(self._writer, hparams_summaries({}, [], status)[2])
+            self._writer = None
+
+
+def hparams_summaries(values: Mapping[str, Any], metrics: Sequence[str], status: str = "STATUS_SUCCESS") -> tuple:
+    """(experiment, session start, session end) Summary protos of the HParams plugin."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+    def summary(tag: str, **content: Any) -> Summary:
+        data = plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **content)
+        plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME, content=data.SerializeToString())
+        return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
+
+    infos, start = [], plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+    for name, value in values.items():
+        if isinstance(value, bool):
+            kind = "DATA_TYPE_BOOL"
+            start.hparams[name].bool_value = value
+        elif isinstance(value, str):
+            kind = "DATA_TYPE_STRING"
+            start.hparams[name].string_value = value
+        else:  # int, float, or None (declared numeric, left empty in this run)
+            kind = "DATA_TYPE_FLOAT64"
+            if value is not None:
+                start.hparams[name].number_value = value
+        infos.append(api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(kind)))
+    experiment = api_pb2.Experiment(
+        hparam_infos=infos, metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m)) for m in metrics]
+    )
+    end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value(status), end_time_secs=time.time())
+    return (summary(metadata.EXPERIMENT_TAG, experiment=experiment),
+            summary(metadata.SESSION_START_INFO_TAG, session_start_info=start),
+            summary(metadata.SESSION_END_INFO_TAG, session_end_info=end))
