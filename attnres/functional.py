@@ -2,18 +2,96 @@
 
 `depth_attention` is the one operation both AttnRes variants share; `full_attn_res`
 and `block_attn_res` are its two public forms. Inputs are validated here, once, and
-then handed to an implementation in `attnres.ops`.
+then handed to an implementation in `attnres.ops`, chosen by `kernel`:
+
+- "auto" (default): "triton" for CUDA tensors of a half or float32 dtype (D <= 16384) when
+  triton is installed, "torch" otherwise;
+- "triton": fused Triton kernels (`attnres/ops/triton_fused.py`); CUDA tensors, or CPU
+  tensors under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported);
+- "torch": the fast formulation in plain PyTorch (`attnres/ops/torch_fused.py`);
+- "naive": the reference (`attnres/ops/naive.py`).
+
+The two-phase API (`key_inv_rms`, `completed_attention`, `merge_partial`) is what the
+residual strategies use: statistics of a completed source computed once, the queries of
+several sublayers against all completed sources in one pass (phase 1), and each sublayer's
+own newest sources merged in with an online-softmax update (phase 2).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import os
+import re
 from collections.abc import Sequence
+from types import ModuleType
 
+import torch
 from torch import Tensor
 
 from attnres.ops import naive_depth_attention
 
-__all__ = ["block_attn_res", "depth_attention", "full_attn_res"]
+__all__ = [
+    "KERNELS",
+    "block_attn_res",
+    "completed_attention",
+    "depth_attention",
+    "fold_queries",
+    "full_attn_res",
+    "key_inv_rms",
+    "merge_partial",
+    "resolve_kernel",
+]
+
+KERNELS = ("auto", "triton", "torch", "naive")
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TRITON_MAX_D = 16384  # whole rows live in registers
+
+
+def triton_available() -> bool:
+    """Whether a triton recent enough for the kernels (>= 3.2: tuples of tensors as kernel
+    arguments) is installed, found without importing it."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
+        return (major, minor) >= (3, 2)
+    return True  # a source build without metadata: assume it is recent
+
+
+def resolve_kernel(kernel: str, like: Tensor) -> str:
+    """The implementation `kernel` stands for with inputs like `like`: "triton", "torch" or
+    "naive". Raises ValueError for an unknown name or a Triton request it cannot serve."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if kernel == "auto":
+        usable = like.is_cuda and like.dtype in _TRITON_DTYPES and like.shape[-1] <= _TRITON_MAX_D
+        return "triton" if usable and triton_available() else "torch"
+    if kernel == "triton":
+        if not triton_available():
+            raise ValueError("kernel='triton' needs the triton package (>= 3.2): pip install 'attnres[triton]'")
+        if like.dtype not in _TRITON_DTYPES:
+            raise ValueError(f"kernel='triton' supports float32, bfloat16 and float16 inputs, got {like.dtype}")
+        if not like.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"kernel='triton' needs CUDA tensors (got {like.device}), or TRITON_INTERPRET=1 in the "
+                "environment before triton is imported to run the kernels in Triton's CPU interpreter"
+            )
+    return kernel
+
+
+def _impl(kernel: str) -> ModuleType:
+    if kernel == "triton":
+        from attnres.ops import triton_fused  # lazy: `import attnres` never imports triton
+
+        return triton_fused
+    from attnres.ops import torch_fused
+
+    return torch_fused
 
 
 def _check(sources: Sequence[Tensor], pseudo_query: Tensor, norm_weight: Tensor | None, eps: float) -> None:
@@ -46,16 +124,81 @@ def depth_attention(
     pseudo_query: Tensor,
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
+    kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention over the depth axis.
 
     `sources`: S >= 1 tensors (B, T, D) of one dtype and device; `pseudo_query`: (D,);
     `norm_weight`: optional (D,) key RMSNorm gain. Returns `(h, weights)` with h (B, T, D)
     in the sources' dtype and weights (S, B, T) in float32 (float64 for float64 inputs).
+    `kernel` picks the implementation (module docstring).
     """
     sources = list(sources)
     _check(sources, pseudo_query, norm_weight, eps)
-    return naive_depth_attention(sources, pseudo_query, norm_weight, eps)
+    kernel = resolve_kernel(kernel, sources[0])
+    if kernel == "naive":
+        return naive_depth_attention(sources, pseudo_query, norm_weight, eps)
+    return _impl(kernel).fused_depth_attention(sources, pseudo_query, norm_weight, eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# two-phase API (the residual strategies' fast path)
+# ------------------------------------------------------------------------------------------------
+
+
+def fold_queries(pseudo_query: Tensor, norm_weight: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """Queries (..., D) with the key-norm gain folded in, in the statistics dtype of sources of
+    `dtype` (float32 for half inputs): w . RMSNorm(v) = ((g * w) . v) * r."""
+    cd = torch.promote_types(dtype, torch.float32)
+    q = pseudo_query.to(cd)
+    return q if norm_weight is None else q * norm_weight.to(cd)
+
+
+def key_inv_rms(source: Tensor, eps: float = 1e-6, kernel: str = "auto") -> Tensor:
+    """The key statistic 1 / sqrt(mean(v^2) + eps) of a source (B, T, D) -> (B, T), in the
+    statistics dtype, without gradient: compute it once per completed source and pass it to
+    `completed_attention` / `merge_partial`, which differentiate through it themselves."""
+    kernel = resolve_kernel(kernel, source)
+    if kernel == "naive":
+        kernel = "torch"
+    return _impl(kernel).inv_rms(source, eps)
+
+
+def completed_attention(
+    sources: Sequence[Tensor],
+    inv_rms: Tensor | None,
+    queries: Tensor,
+    eps: float = 1e-6,
+    kernel: str = "auto",
+) -> tuple[list[Tensor], Tensor]:
+    """Phase 1: K queries (K, D) (gain-folded, see `fold_queries`) against the same sources
+    (n tensors (B, T, D)) in one pass. `inv_rms`: (n, B, T) from `key_inv_rms`, or None to
+    compute it. Returns K outputs (B, T, D) and their log-sum-exp (K, B, T) of the logits,
+    which `merge_partial` needs to extend the softmax with further sources."""
+    sources = list(sources)
+    kernel = resolve_kernel(kernel, sources[0])
+    impl = _impl("torch" if kernel == "naive" else kernel)
+    outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, (), None, eps)
+    return outs, lse
+
+
+def merge_partial(
+    acc: Tensor,
+    lse: Tensor,
+    sources: Sequence[Tensor],
+    inv_rms: Tensor | None,
+    query: Tensor,
+    eps: float = 1e-6,
+    kernel: str = "auto",
+) -> Tensor:
+    """Phase 2: extend a phase-1 result `acc` (B, T, D) with log-sum-exp `lse` (B, T) by more
+    sources (e.g. the block's partial sum) under the same query (D,), as one softmax over all:
+    the online-softmax merge. `inv_rms`: (len(sources), B, T) or None. Returns h (B, T, D)."""
+    sources = list(sources)
+    kernel = resolve_kernel(kernel, acc)
+    impl = _impl("torch" if kernel == "naive" else kernel)
+    outs, _, _ = impl.run_depth_attention(sources, inv_rms, query.unsqueeze(0), (acc,), lse.unsqueeze(0), eps)
+    return outs[0]
 
 
 def full_attn_res(
@@ -63,13 +206,14 @@ def full_attn_res(
     previous_outputs: Tensor | Sequence[Tensor],
     pseudo_query: Tensor,
     eps: float = 1e-6,
+    kernel: str = "auto",
 ) -> dict[str, Tensor]:
     """Full AttnRes input for one sublayer: depth attention over `[embedding, *previous_outputs]`.
 
     `embedding`: (B, T, D); `previous_outputs`: a (layers, B, T, D) tensor or a sequence of
     (B, T, D) tensors (layers may be 0); `pseudo_query`: (D,). No key-norm gain.
     Returns {"retrieved_representation": (B, T, D), "attention_weights": (S, B, T)} with
-    S = layers + 1; the weights sum to 1 per token.
+    S = layers + 1; the weights sum to 1 per token. `kernel`: see the module docstring.
     """
     if isinstance(previous_outputs, Tensor):
         if previous_outputs.dim() != 4:
@@ -78,7 +222,7 @@ def full_attn_res(
                 f"got shape {tuple(previous_outputs.shape)}"
             )
         previous_outputs = list(previous_outputs.unbind(0))  # views, no copy
-    h, weights = depth_attention([embedding, *previous_outputs], pseudo_query, None, eps)
+    h, weights = depth_attention([embedding, *previous_outputs], pseudo_query, None, eps, kernel)
     return {"retrieved_representation": h, "attention_weights": weights}
 
 
@@ -89,15 +233,17 @@ def block_attn_res(
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
     return_weights: bool = False,
+    kernel: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block AttnRes input for one sublayer: depth attention over `blocks + [partial_block]`.
 
     `blocks`: the completed blocks, `blocks[0]` being the embedding; `partial_block`: the
     running sum of the current block's outputs, or None when the block has none yet (an
     empty partial sum is left out, never attended to as zeros). Returns h (B, T, D), or
-    `(h, weights)` with weights (S, B, T) when `return_weights`.
+    `(h, weights)` with weights (S, B, T) when `return_weights`. `kernel`: see the module
+    docstring.
     """
     sources = [*blocks] if partial_block is None else [*blocks, partial_block]
-    h, weights = depth_attention(sources, pseudo_query, norm_weight, eps)
+    h, weights = depth_attention(sources, pseudo_query, norm_weight, eps, kernel)
     return (h, weights) if return_weights else h
 

@@ -9,6 +9,8 @@ the same for the layers of a `torch.nn.TransformerEncoder`.
 
 Subclasses implement `run` and route every sublayer call through `call_sublayer` and
 every depth attention through `attend`; that is all it takes to support recording.
+The AttnRes strategies also have a fast path (`kernel` option, see
+`attnres.functional`): two-phase depth attention, taken on every pass that does not record.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnres.functional import depth_attention
+from attnres.functional import KERNELS, completed_attention, depth_attention, fold_queries, resolve_kernel
 
 Sublayer = Callable[..., Tensor]
 
@@ -41,6 +43,13 @@ class DepthRecord:
     weights: dict[int, Tensor] = field(default_factory=dict)
     input_rms: list[Tensor] = field(default_factory=list)
     output_rms: list[Tensor] = field(default_factory=list)
+
+
+def _plain_sum(sources: Sequence[Tensor]) -> Tensor:
+    out = sources[0]
+    for v in sources[1:]:
+        out = out + v
+    return out
 
 
 def _mean_rms(x: Tensor) -> Tensor:
@@ -149,6 +158,11 @@ class DepthAttentionResidual(ResidualStrategy):
     sources. `key_norm_gain=False` drops the learnable gain of the key RMSNorm.
     `output_aggregation=False` replaces the final depth attention by the plain sum of all
     sources (which is the standard residual stream).
+
+    `kernel` ("auto", "triton", "torch" or "naive"; `attnres.functional`) picks the
+    implementation. Except with "naive", passes that do not record take the two-phase fast
+    path (`fast_kernel`); recording passes run one depth attention per sublayer through
+    `attend`, so the recorded weights are those of exactly the op the strategy defines.
     """
 
     has_depth_attention = True
@@ -160,8 +174,12 @@ class DepthAttentionResidual(ResidualStrategy):
         eps: float = 1e-6,
         key_norm_gain: bool = True,
         output_aggregation: bool = True,
+        kernel: str = "auto",
     ) -> None:
         super().__init__(d_model, num_layers, eps)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        self.kernel = kernel
         self.output_aggregation = output_aggregation
         self.pseudo_query = nn.Parameter(torch.zeros(num_layers + 1, d_model))  # (L + 1, D)
         self.key_norm_weight = nn.Parameter(torch.ones(num_layers + 1, d_model)) if key_norm_gain else None
@@ -172,10 +190,17 @@ class DepthAttentionResidual(ResidualStrategy):
             if self.key_norm_weight is not None:
                 self.key_norm_weight.fill_(1.0)
 
+    def fast_kernel(self, like: Tensor) -> str | None:
+        """The implementation of the two-phase fast path for inputs like `like`, or None when
+        this pass takes the one-attention-per-sublayer path (recording, or kernel="naive")."""
+        if self._record is not None or self.kernel == "naive":
+            return None
+        return resolve_kernel(self.kernel, like)
+
     def attend(self, index: int, sources: Sequence[Tensor]) -> Tensor:
         """Depth attention over `sources` with the query and key norm of `index`."""
         gain = None if self.key_norm_weight is None else self.key_norm_weight[index]
-        h, weights = depth_attention(sources, self.pseudo_query[index], gain, self.eps)
+        h, weights = depth_attention(sources, self.pseudo_query[index], gain, self.eps, self.kernel)
         if self._record is not None:
             self._record.weights[index] = weights.detach()
         return h
@@ -183,13 +208,23 @@ class DepthAttentionResidual(ResidualStrategy):
     def output(self, sources: Sequence[Tensor]) -> Tensor:
         if self.output_aggregation:
             return self.attend(self.num_layers, sources)
-        out = sources[0]
-        for v in sources[1:]:
-            out = out + v
-        return out
+        return _plain_sum(sources)
+
+    # -- the fast path's shared pieces -----------------------------------------------------------
+    def fast_queries(self, like: Tensor) -> Tensor:
+        """All L + 1 queries with the key-norm gains folded in, (L + 1, D), statistics dtype."""
+        return fold_queries(self.pseudo_query, self.key_norm_weight, like.dtype)
+
+    def fast_output(self, sources: Sequence[Tensor], inv_rms: Sequence[Tensor], queries: Tensor, kernel: str) -> Tensor:
+        """The output aggregation over `sources` whose key statistics `inv_rms` are known."""
+        if not self.output_aggregation:
+            return _plain_sum(sources)
+        outs, _ = completed_attention(sources, torch.stack(list(inv_rms)), queries[self.num_layers :], self.eps, kernel)
+        return outs[0]
 
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_layers={self.num_layers}, eps={self.eps}, "
-            f"key_norm_gain={self.key_norm_weight is not None}, output_aggregation={self.output_aggregation}"
+            f"key_norm_gain={self.key_norm_weight is not None}, output_aggregation={self.output_aggregation}, "
+            f"kernel={self.kernel!r}"
         )

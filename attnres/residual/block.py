@@ -10,6 +10,12 @@ Memory O(N * D) per token; N = L is Full AttnRes exactly.
 Where this departs from an often-shared sketch of the same API, it follows the paper:
 a block's empty partial sum is left out rather than attended to as a zero source, and
 the output is a final depth attention over all blocks, not the last block's partial sum.
+
+Fast path (two-phase, DESIGN.md section 4): a completed block never changes, so its key
+statistic is computed once; at the start of block n the S sublayers' queries meet all
+completed blocks in one batched pass (phase 1, `completed_attention`), and sublayer i >= 2
+then merges only its own partial sum into that result with an online-softmax update
+(phase 2, `merge_partial`).
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from attnres.functional import completed_attention, key_inv_rms, merge_partial
 from attnres.residual.base import DepthAttentionResidual, Sublayer
 
 
@@ -42,17 +50,21 @@ class BlockAttentionResidual(DepthAttentionResidual):
         eps: float = 1e-6,
         key_norm_gain: bool = True,
         output_aggregation: bool = True,
+        kernel: str = "auto",
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1 or num_layers % num_blocks != 0:
             raise ValueError(
                 f"num_blocks={num_blocks} must divide the {num_layers} sublayers "
                 f"(2 per transformer layer); valid values: {', '.join(map(str, _divisors(num_layers)))}"
             )
-        super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation)
+        super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel)
         self.num_blocks = num_blocks
         self.block_size = num_layers // num_blocks  # S, sublayers per block
 
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
+        kernel = self.fast_kernel(embedding)
+        if kernel is not None:
+            return self._run_two_phase(embedding, sublayers, sublayer_kwargs, kernel)
         blocks = [embedding]  # completed blocks, each (B, T, D)
         partial: Tensor | None = None  # b_n^i; None while block n has no output yet
         for index, sublayer in enumerate(sublayers):
@@ -64,6 +76,29 @@ class BlockAttentionResidual(DepthAttentionResidual):
             partial = out if partial is None else partial + out
         blocks.append(partial)
         return self.output(blocks)
+
+    def _run_two_phase(
+        self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any], kernel: str
+    ) -> Tensor:
+        S, eps = self.block_size, self.eps
+        queries = self.fast_queries(embedding)  # (L + 1, D)
+        blocks, inv_rms = [embedding], [key_inv_rms(embedding, eps, kernel)]  # completed blocks, (B, T) each
+        for start in range(0, self.num_layers, S):
+            # phase 1: the S queries of this block against all completed blocks, one pass
+            accs, lse = completed_attention(blocks, torch.stack(inv_rms), queries[start : start + S], eps, kernel)
+            partial: Tensor | None = None
+            for i in range(S):
+                index = start + i
+                if partial is None:
+                    h = accs[i]
+                else:  # phase 2: fold in this block's partial sum (online softmax)
+                    h = merge_partial(accs[i], lse[i], [partial], None, queries[index], eps, kernel)
+                out = self.call_sublayer(index, sublayers[index], h, sublayer_kwargs)
+                partial = out if partial is None else partial + out
+            blocks.append(partial)
+            if start + S < self.num_layers or self.output_aggregation:
+                inv_rms.append(key_inv_rms(partial, eps, kernel))
+        return self.fast_output(blocks, inv_rms, queries, kernel)
 
     def extra_repr(self) -> str:
         return f"num_blocks={self.num_blocks}, " + super().extra_repr()

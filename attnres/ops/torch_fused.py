@@ -1,0 +1,246 @@
+"""Depth attention, the fast formulation in plain PyTorch (CPU, and the generic fallback).
+
+Same math as `naive.py` (DESIGN.md section 2), organised for speed and memory:
+
+- the sources stay a list: never stacked, never normalised into a copy. Per token and
+  source only two statistics exist, the inverse RMS r_i = 1 / sqrt(mean(v_i^2) + eps) and
+  the logit z_i = (v_i . q) * r_i (the key-norm gain is folded into the query q);
+- one custom autograd function saves only those statistics (float32 for half inputs) and
+  references to the sources it already holds, and recomputes the rest in its backward;
+- K queries can be served at once (phase 1 of two-phase Block AttnRes: the sublayers of a
+  block against all completed blocks), and an already-aggregated source can be merged in as
+  a "prefix" with a known logit (phase 2: the sublayer's own partial sum, online softmax).
+
+The core `depth_attention_forward` / `depth_attention_backward` pair is what the Triton
+kernels of `triton_fused.py` implement too (same arguments, same saved statistics).
+Per-token math of the backward, for cotangents dO_k of the outputs, dz_ext of the logits
+and dlse_k of the log-sum-exp (alpha = softmax over sources, P_k = dO_k . out_k):
+
+    dz_ki = alpha_ki (dO_k . v_i - P_k + dlse_k) + dz_ext_ki
+    dv_i  = sum_k alpha_ki dO_k + r_i sum_k dz_ki q_k - (sum_k dz_ki z_ki) r_i^2 / D v_i
+    dq_k  = sum over tokens and i of dz_ki r_i v_i
+
+The last term of dv_i is the derivative through r_i, so a cached r_i (computed once per
+completed block) is a pure speed-up and needs no gradient path of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "depth_attention_backward",
+    "depth_attention_forward",
+    "fused_depth_attention",
+    "inv_rms",
+    "run_depth_attention",
+]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 statistics for half inputs, float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@torch.no_grad()
+def inv_rms(v: Tensor, eps: float) -> Tensor:
+    """1 / sqrt(mean(v^2 over D) + eps), (..., D) -> (...), in the compute dtype; no gradient.
+
+    Exact for any finite input: when a square overflows (|v| past ~1e19 in float32 or
+    bfloat16) the row is rescaled by c = max(1, max|v|) first, as `naive.py` does. In eager
+    mode that second pass runs only when needed; under torch.compile it always runs, fused by
+    Inductor into the same loop.
+    """
+    cd, d = compute_dtype(v.dtype), v.shape[-1]
+    if not torch.compiler.is_compiling():
+        ms = torch.linalg.vector_norm(v, dim=-1, dtype=cd).square_().div_(d)
+        if bool(torch.isfinite(ms).all()):
+            return ms.add_(eps).rsqrt_()
+    c = v.abs().amax(dim=-1).to(cd).clamp_min(1.0)  # (...)
+    u = v.to(cd) / c.unsqueeze(-1)
+    return torch.rsqrt(u.square().mean(dim=-1) + eps / c / c) / c  # eps / c^2 without overflow
+
+
+def _rows(v: Tensor, cd: torch.dtype) -> Tensor:
+    """(B, T, D) -> (M, D) in the compute dtype; a view for contiguous float32/64 inputs."""
+    return v.to(cd).reshape(-1, v.shape[-1])
+
+
+def depth_attention_forward(
+    sources: Sequence[Tensor],
+    r_cache: Tensor | None,
+    queries: Tensor,
+    prefix_h: Sequence[Tensor],
+    prefix_lse: Tensor | None,
+    eps: float,
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """No-grad forward. sources: n tensors (B, T, D); r_cache: (n, B, T) inverse RMS or None;
+    queries: (K, D) gain-folded, compute dtype; prefix_h: [] or K tensors (B, T, D) whose
+    logit is prefix_lse (K, B, T). Returns (outs: K tensors (B, T, D) in the sources' dtype,
+    z (K, n, B, T), lse (K, B, T), r (n, B, T)), statistics in the compute dtype."""
+    dtype, cd = sources[0].dtype, queries.dtype
+    shape, K, n = sources[0].shape, queries.shape[0], len(sources)
+    vs = [_rows(v, cd) for v in sources]  # (M, D) each
+    r = r_cache if r_cache is not None else torch.stack([inv_rms(v, eps) for v in sources])  # (n, B, T)
+    r = r.reshape(n, -1)  # (n, M)
+    # one (M, D) @ (D, K) product per source: the logits of all K queries in one read
+    z = torch.stack([v @ queries.T for v in vs]).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
+    zall = z if prefix_lse is None else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)  # (K, n', M)
+    lse = torch.logsumexp(zall, dim=1)  # (K, M)
+    alpha = torch.exp(zall - lse.unsqueeze(1)).unsqueeze(-1)  # (K, n', M, 1)
+    values = [_rows(p, cd) for p in prefix_h] if prefix_h else None
+    outs = []
+    for k in range(K):  # K separate outputs: a sublayer keeping one for backward keeps only that one
+        a = alpha[k]
+        if values is not None:
+            acc = values[k] * a[0]
+            rest = zip(a[1:], vs, strict=True)
+        else:
+            acc = vs[0] * a[0]
+            rest = zip(a[1:], vs[1:], strict=True)
+        for a_i, v in rest:
+            acc.addcmul_(v, a_i)
+        outs.append(acc.view(shape).to(dtype))
+    stat = shape[:-1]
+    return outs, z.view(K, n, *stat), lse.view(K, *stat), r.view(n, *stat)
+
+
+def depth_attention_backward(
+    sources: Sequence[Tensor],
+    r: Tensor,
+    queries: Tensor,
+    z: Tensor,
+    lse: Tensor,
+    prefix_lse: Tensor | None,
+    outs: Sequence[Tensor],
+    d_outs: Sequence[Tensor | None],
+    dz_ext: Tensor | None,
+    dlse: Tensor | None,
+) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor | None]:
+    """Gradients (d_sources, d_queries (K, D), d_prefix_h, d_prefix_lse) of the forward above.
+    `outs` is only read when there is a prefix (then P_k = dO_k . out_k); otherwise it may be
+    empty and P_k = sum_i alpha_ki dO_k . v_i."""
+    dtype, cd = sources[0].dtype, queries.dtype
+    shape, K, n, d = sources[0].shape, queries.shape[0], len(sources), queries.shape[-1]
+    stat = shape[:-1]
+    has_prefix = prefix_lse is not None
+    z, lse, r = z.reshape(K, n, -1), lse.reshape(K, -1), r.reshape(n, -1)  # (K, n, M), (K, M), (n, M)
+    zall = z if not has_prefix else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)
+    alpha = torch.exp(zall - lse.unsqueeze(1))  # (K, n', M)
+    a_src = alpha[:, 1:] if has_prefix else alpha  # (K, n, M)
+    m = lse.shape[-1]
+    d_o = [torch.zeros(m, d, dtype=cd, device=queries.device) if g is None else _rows(g, cd) for g in d_outs]
+    vs = [_rows(v, cd) for v in sources]
+
+    def dots(a: Tensor, b: Tensor) -> Tensor:  # per-token a . b, (M, D) x (M, D) -> (M,)
+        return torch.linalg.vecdot(a, b)  # CPU bmm/einsum loop over tokens here: 5-10x slower
+
+    g = torch.stack([torch.stack([dots(d_o[k], v) for v in vs]) for k in range(K)])  # (K, n, M): dO_k . v_i
+    ag = (a_src * g).sum(dim=1)  # (K, M)
+    P = torch.stack([dots(d_o[k], _rows(o, cd)) for k, o in enumerate(outs)]) if has_prefix else ag
+    dz = a_src * (g - P.unsqueeze(1))
+    if dlse is not None:
+        dz = dz + a_src * dlse.reshape(K, 1, -1)
+    if dz_ext is not None:
+        dz = dz + dz_ext.reshape(K, n, -1)
+    d_prefix_h: list[Tensor] = []
+    d_prefix_lse = None
+    if has_prefix:
+        a_pre = alpha[:, 0]
+        d_prefix_lse = P - ag - a_pre * P
+        if dlse is not None:
+            d_prefix_lse = d_prefix_lse + a_pre * dlse.reshape(K, -1)
+        d_prefix_lse = d_prefix_lse.view(K, *stat)
+        d_prefix_h = [(d_o[k] * a_pre[k].unsqueeze(-1)).view(shape).to(dtype) for k in range(K)]
+    dzr = (dz * r.unsqueeze(0)).permute(1, 2, 0).contiguous()  # (n, M, K)
+    c = (-(dz * z).sum(dim=0) * r.square() / d).unsqueeze(-1)  # (n, M, 1): the derivative through r_i
+    a_col = a_src.unsqueeze(-1)  # (K, n, M, 1)
+    d_sources = []
+    d_q = torch.zeros_like(queries)
+    for i, v in enumerate(vs):
+        dv = d_o[0] * a_col[0, i]
+        for k in range(1, K):
+            dv.addcmul_(d_o[k], a_col[k, i])
+        dv.addmm_(dzr[i], queries).addcmul_(v, c[i])  # in place: no copy of dv
+        d_sources.append(dv.view(shape).to(dtype))
+        d_q.addmm_(dzr[i].T, v)
+    return d_sources, d_q, d_prefix_h, d_prefix_lse
+
+
+class _DepthAttention(torch.autograd.Function):
+    """Autograd around the core pair: saves the sources (references), r, z, lse and, with a
+    prefix, the outputs (the caller keeps them anyway: they are sublayer inputs)."""
+
+    @staticmethod
+    def forward(eps, queries, r_cache, prefix_lse, *tensors):  # tensors: sources, then K prefix_h or none
+        n = len(tensors) - (0 if prefix_lse is None else queries.shape[0])
+        sources, prefix_h = tensors[:n], tensors[n:]
+        outs, z, lse, r = depth_attention_forward(sources, r_cache, queries, prefix_h, prefix_lse, eps)
+        return (*outs, z, lse, r)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        eps, queries, r_cache, prefix_lse, *tensors = inputs
+        *outs, z, lse, r = output
+        ctx.has_prefix, ctx.K = prefix_lse is not None, queries.shape[0]
+        ctx.n = n = len(tensors) - (ctx.K if ctx.has_prefix else 0)
+        ctx.mark_non_differentiable(r)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(queries, r, z, lse, prefix_lse, *tensors[:n], *(outs if ctx.has_prefix else ()))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        K, n = ctx.K, ctx.n
+        d_outs, dz_ext, dlse = grads[:K], grads[K], grads[K + 1]
+        queries, r, z, lse, prefix_lse, *rest = ctx.saved_tensors
+        sources, outs = rest[:n], rest[n:]
+        n_prefix = K if ctx.has_prefix else 0
+        if all(g is None for g in d_outs) and dz_ext is None and dlse is None:
+            return (None,) * (4 + n + n_prefix)
+        d_src, d_q, d_pre_h, d_pre_lse = depth_attention_backward(
+            sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse
+        )
+        return (None, d_q, None, d_pre_lse, *d_src, *d_pre_h)
+
+
+def run_depth_attention(
+    sources: Sequence[Tensor],
+    r_cache: Tensor | None,
+    queries: Tensor,
+    prefix_h: Sequence[Tensor] = (),
+    prefix_lse: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h and prefix_lse
+    (r_cache is a cached function of the sources, see the module docstring)."""
+    tensors = (queries, *sources, *prefix_h) + (() if prefix_lse is None else (prefix_lse,))
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        # nothing to differentiate (e.g. prefill): no autograd node, and no Dynamo tracing of one
+        outs, z, lse, _ = depth_attention_forward(sources, r_cache, queries, prefix_h, prefix_lse, eps)
+        return outs, z, lse
+    *outs, z, lse, _ = _DepthAttention.apply(eps, queries, r_cache, prefix_lse, *sources, *prefix_h)
+    return outs, z, lse
+
+
+def fused_depth_attention(
+    sources: Sequence[Tensor],
+    pseudo_query: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
+
+    Returns `(h, weights)`: h is (B, T, D) in the sources' dtype, weights is
+    (S, B, T) in float32 (float64 for float64 sources) and sums to 1 over S for
+    every token. Inputs are not validated here: `attnres.functional` does that
+    once, at the public boundary.
+    """
+    cd = compute_dtype(sources[0].dtype)
+    query = pseudo_query.to(cd)
+    if norm_weight is not None:
+        query = query * norm_weight.to(cd)  # fold the key-norm gain into the query
+    outs, z, lse = run_depth_attention(list(sources), None, query.unsqueeze(0), eps=eps)
+    return outs[0], torch.softmax(z[0], dim=0)  # as the reference computes them: exactly uniform for equal logits

@@ -1,0 +1,398 @@
+"""Depth attention, fused Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1).
+
+Same math and the same entry points as `torch_fused.py` (whose module docstring has the
+backward formulas); imported only when a kernel is asked for "triton", so `import attnres`
+never imports triton.
+
+- `_fwd_kernel`: one program per BLOCK_M tokens holds whole rows (D padded to a power of
+  two, any D up to 16384). For each source it loads v once, takes r = 1 / rms(v) (overflow
+  safe: the row is scaled by max(1, max|v|) in registers, for free) or reads a cached r,
+  forms the logits of up to MAX_K queries at once and updates an online softmax
+  (running max, sum and float32 accumulator per query). It writes the outputs, the logits z
+  and the log-sum-exp lse; a "prefix" (a phase-1 result with its lse) starts the softmax.
+- `_bwd_kernel`: recomputes everything from the sources and the saved z, lse and r; a
+  persistent grid accumulates the query gradient per program (summed on the host, so it is
+  deterministic). Without a prefix it reads the sources twice (the first pass finds
+  P_k = dO_k . out_k); with a prefix P_k comes from the saved output and one pass suffices.
+- `torch.library.custom_op` registrations (`attnres::depth_attention_fwd`/`_bwd`,
+  `attnres::inv_rms`) with fake implementations and `register_autograd`, so torch.compile
+  keeps them as single graph nodes instead of breaking the graph.
+Statistics are float32; inputs may be float32, bfloat16 or float16.
+"""
+
+# Kernel arguments use DESIGN.md's shape names (M tokens, D, K queries) and Triton's upper-case
+# compile-time constants (BLOCK_M, HAS_PREFIX, ...).
+# ruff: noqa: N803
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["fused_depth_attention", "inv_rms", "run_depth_attention"]
+
+MAX_K = 4  # queries served by one launch; more are split into launches of MAX_K
+_MAX_BLOCK_D = 16384
+_TILE = 8192  # float32 elements of one (queries x tokens x D) register tile
+
+
+def _launch_shape(d: int, kc: int) -> tuple[int, int, int, int]:
+    """BLOCK_D, KP (queries padded to a power of two), BLOCK_M and num_warps for D and kc queries."""
+    block_d = triton.next_power_of_2(d)
+    if block_d > _MAX_BLOCK_D:
+        raise ValueError(f"the Triton depth-attention kernels support D <= {_MAX_BLOCK_D}, got D={d}")
+    kp = triton.next_power_of_2(kc)
+    block_m = max(1, min(16, _TILE // (kp * block_d)))
+    num_warps = 4 if kp * block_m * block_d <= 4096 else 8
+    return block_d, kp, block_m, num_warps
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_inv_rms(v, D, eps):
+    """1 / sqrt(mean(v^2) + eps) per row of v (BLOCK_M, BLOCK_D) float32, padded with zeros;
+    rows scaled by c = max(1, max|v|) so the squares cannot overflow."""
+    c = tl.maximum(tl.max(tl.abs(v), axis=1), 1.0)
+    u = v / c[:, None]
+    return 1.0 / (tl.sqrt(tl.sum(u * u, axis=1) / D + eps / c / c) * c)  # eps / c^2 without overflow
+
+
+@triton.jit
+def _inv_rms_kernel(x_ptr, r_ptr, M, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(r_ptr + rows, _row_inv_rms(v, D, eps), mask=row_ok)
+
+
+@triton.jit
+def _fwd_kernel(
+    srcs, r_in, q_ptr, pre_h, pre_lse, outs, z_ptr, lse_ptr, r_out,
+    M, D, eps,
+    K: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    N_SRC: tl.constexpr = len(srcs)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    cols = tl.arange(0, BLOCK_D)
+    ks = tl.arange(0, KP)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols[None, :] < D)  # (BM, BD)
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    k_ok = ks < K
+    q = tl.load(q_ptr + ks[:, None] * D + cols[None, :], mask=k_ok[:, None] & (cols[None, :] < D), other=0.0)
+    q = q.to(tl.float32)  # (KP, BD)
+    zmask = k_ok[:, None] & row_ok[None, :]  # (KP, BM)
+    if HAS_PREFIX:  # K == 1: the softmax starts from a phase-1 result and its log-sum-exp
+        m = tl.load(pre_lse + ks[:, None] * M + rows[None, :], mask=zmask, other=0.0)
+        l_sum = tl.full([KP, BLOCK_M], 1.0, tl.float32)
+        acc = tl.load(pre_h[0] + offs, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+    else:
+        m = tl.full([KP, BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([KP, BLOCK_M], tl.float32)
+        acc = tl.zeros([KP, BLOCK_M, BLOCK_D], tl.float32)
+    for i in tl.static_range(N_SRC):
+        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)  # (BM, BD)
+        if HAS_RMS:
+            r = tl.load(r_in + i * M + rows, mask=row_ok, other=1.0)
+        else:
+            r = _row_inv_rms(v, D, eps)  # kept for the backward
+            tl.store(r_out + i * M + rows, r, mask=row_ok)
+        z = tl.sum(v[None, :, :] * q[:, None, :], axis=2) * r[None, :]  # (KP, BM)
+        tl.store(z_ptr + (ks[:, None] * N_SRC + i) * M + rows[None, :], z, mask=zmask)
+        m_new = tl.maximum(m, z)
+        scale = tl.exp(m - m_new)
+        p = tl.exp(z - m_new)
+        l_sum = l_sum * scale + p
+        acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
+        m = m_new
+    tl.store(lse_ptr + ks[:, None] * M + rows[None, :], m + tl.log(l_sum), mask=zmask)
+    out = acc / l_sum[:, :, None]
+    for k in tl.static_range(K):
+        o = tl.sum(tl.where((ks == k)[:, None, None], out, 0.0), axis=0)
+        tl.store(outs[k] + offs, o.to(outs[k].dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    srcs, r_ptr, q_ptr, z_ptr, lse_ptr, pre_lse, outs, d_outs, dz_ptr, dlse_ptr,
+    d_srcs, dq_ptr, d_pre_h, d_pre_lse,
+    M, D, n_blocks,
+    K: tl.constexpr, KP: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DZ: tl.constexpr,
+    HAS_DLSE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    N_SRC: tl.constexpr = len(srcs)
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    ks = tl.arange(0, KP)
+    k_ok = ks < K
+    q = tl.load(q_ptr + ks[:, None] * D + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    q = q.to(tl.float32)  # (KP, BD)
+    dq = tl.zeros([KP, BLOCK_D], tl.float32)
+    for blk in range(pid, n_blocks, nprog):
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+        zmask = k_ok[:, None] & row_ok[None, :]
+        kz = ks[:, None] * M + rows[None, :]  # (KP, BM) offsets into (K, M) statistics
+        d_o = tl.zeros([KP, BLOCK_M, BLOCK_D], tl.float32)
+        for k in tl.static_range(K):
+            dok = tl.load(d_outs[k] + offs, mask=mask, other=0.0).to(tl.float32)
+            d_o = tl.where((ks == k)[:, None, None], dok[None, :, :], d_o)
+        lse = tl.load(lse_ptr + kz, mask=zmask, other=0.0)
+        if HAS_DLSE:
+            dlse = tl.load(dlse_ptr + kz, mask=zmask, other=0.0)
+        else:
+            dlse = tl.zeros([KP, BLOCK_M], tl.float32)
+        if HAS_PREFIX:  # P = dO . out from the saved output (K == 1)
+            o = tl.load(outs[0] + offs, mask=mask, other=0.0).to(tl.float32)
+            P = tl.sum(d_o * o[None, :, :], axis=2)
+        else:  # first pass: P = sum_i alpha_i dO . v_i
+            P = tl.zeros([KP, BLOCK_M], tl.float32)
+            for i in tl.static_range(N_SRC):
+                v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + (ks[:, None] * N_SRC + i) * M + rows[None, :], mask=zmask, other=0.0)
+                P += tl.exp(z - lse) * tl.sum(d_o * v[None, :, :], axis=2)
+        ag = tl.zeros([KP, BLOCK_M], tl.float32)
+        for i in tl.static_range(N_SRC):
+            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + i * M + rows, mask=row_ok, other=0.0)
+            zoff = (ks[:, None] * N_SRC + i) * M + rows[None, :]
+            z = tl.load(z_ptr + zoff, mask=zmask, other=0.0)
+            alpha = tl.where(zmask, tl.exp(z - lse), 0.0)  # (KP, BM)
+            g = tl.sum(d_o * v[None, :, :], axis=2)
+            ag += alpha * g
+            dz = alpha * (g - P + dlse)
+            if HAS_DZ:
+                dz += tl.load(dz_ptr + zoff, mask=zmask, other=0.0)
+            dzr = dz * r[None, :]
+            c = -tl.sum(dz * z, axis=0) * r * r / D  # (BM,): the derivative through r
+            dv = tl.sum(alpha[:, :, None] * d_o + dzr[:, :, None] * q[:, None, :], axis=0) + c[:, None] * v
+            if ACCUMULATE:
+                dv += tl.load(d_srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(d_srcs[i] + offs, dv.to(d_srcs[i].dtype.element_ty), mask=mask)
+            dq += tl.sum(dzr[:, :, None] * v[None, :, :], axis=1)
+        if HAS_PREFIX:
+            a_pre = tl.exp(tl.load(pre_lse + kz, mask=zmask, other=0.0) - lse)
+            tl.store(d_pre_lse + kz, P - ag - a_pre * P + a_pre * dlse, mask=zmask)
+            dh = tl.sum(a_pre[:, :, None] * d_o, axis=0)
+            tl.store(d_pre_h[0] + offs, dh.to(d_pre_h[0].dtype.element_ty), mask=mask)
+    tl.store(dq_ptr + (pid * K + ks[:, None]) * D + cols[None, :], dq, mask=k_ok[:, None] & col_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# host side: custom ops
+# ------------------------------------------------------------------------------------------------
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _n_programs(n_blocks: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return max(1, min(n_blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n_blocks, 4))  # the interpreter: few programs, each looping
+
+
+@torch.library.custom_op("attnres::inv_rms", mutates_args=())
+def _inv_rms_op(v: Tensor, eps: float) -> Tensor:
+    v = _rows(v)
+    d = v.shape[-1]
+    m = v.numel() // d
+    r = torch.empty(v.shape[:-1], dtype=torch.float32, device=v.device)
+    block_d, _, block_m, num_warps = _launch_shape(d, 1)
+    _inv_rms_kernel[(triton.cdiv(m, block_m),)](v, r, m, d, eps, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps)
+    return r
+
+
+@_inv_rms_op.register_fake
+def _(v, eps):
+    return v.new_empty(v.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnres::depth_attention_fwd", mutates_args=())
+def _fwd_op(
+    sources: list[Tensor],
+    r_cache: Tensor | None,
+    queries: Tensor,
+    prefix_h: list[Tensor],
+    prefix_lse: Tensor | None,
+    eps: float,
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    sources = [_rows(v) for v in sources]
+    first = sources[0]
+    shape, d, n, K = first.shape, first.shape[-1], len(sources), queries.shape[0]
+    m = first.numel() // d
+    device = first.device
+    queries = _rows(queries.float())
+    outs = [first.new_empty(shape) for _ in range(K)]
+    z = torch.empty((K, n, *shape[:-1]), dtype=torch.float32, device=device)
+    lse = torch.empty((K, *shape[:-1]), dtype=torch.float32, device=device)
+    r_new = torch.empty((n, *shape[:-1]) if r_cache is None else (0,), dtype=torch.float32, device=device)
+    r = _rows(r_cache.float()) if r_cache is not None else r_new
+    has_prefix = prefix_lse is not None
+    pre_h = tuple(_rows(p) for p in prefix_h) if has_prefix else (first,)
+    pre_lse = _rows(prefix_lse.float()) if has_prefix else lse
+    for k0 in range(0, K, MAX_K):
+        kc = min(MAX_K, K - k0)
+        block_d, kp, block_m, num_warps = _launch_shape(d, kc)
+        has_rms = r_cache is not None or k0 > 0  # later chunks reuse the r the first one wrote
+        _fwd_kernel[(triton.cdiv(m, block_m),)](
+            tuple(sources), r, queries[k0:], pre_h, pre_lse, tuple(outs[k0 : k0 + kc]), z[k0:], lse[k0:], r_new,
+            m, d, eps,
+            K=kc, KP=kp, HAS_RMS=has_rms, HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        )
+    return outs, z, lse, r_new
+
+
+@_fwd_op.register_fake
+def _(sources, r_cache, queries, prefix_h, prefix_lse, eps):
+    first = sources[0]
+    K, n = queries.shape[0], len(sources)
+    stat = {"dtype": torch.float32}
+    r_shape = (n, *first.shape[:-1]) if r_cache is None else (0,)
+    return (  # contiguous, as the real outputs are whatever the inputs' strides
+        [first.new_empty(first.shape) for _ in range(K)],
+        first.new_empty((K, n, *first.shape[:-1]), **stat),
+        first.new_empty((K, *first.shape[:-1]), **stat),
+        first.new_empty(r_shape, **stat),
+    )
+
+
+@torch.library.custom_op("attnres::depth_attention_bwd", mutates_args=())
+def _bwd_op(
+    sources: list[Tensor],
+    r: Tensor,
+    queries: Tensor,
+    z: Tensor,
+    lse: Tensor,
+    prefix_lse: Tensor | None,
+    outs: list[Tensor],
+    d_outs: list[Tensor],
+    dz_ext: Tensor | None,
+    dlse: Tensor | None,
+) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor]:
+    sources = [_rows(v) for v in sources]
+    first = sources[0]
+    d, K = first.shape[-1], queries.shape[0]
+    m = first.numel() // d
+    device = first.device
+    queries = _rows(queries.float())
+    has_prefix = prefix_lse is not None
+    split = K > MAX_K  # gradients of the sources accumulate over launches: keep them float32 then
+    d_src = [torch.empty(v.shape, dtype=torch.float32 if split else v.dtype, device=device) for v in sources]
+    d_outs = tuple(_rows(g) for g in d_outs)
+    d_pre_h = [first.new_empty(first.shape)] if has_prefix else []
+    d_pre_lse = torch.empty_like(lse) if has_prefix else lse.new_empty(0)
+    d_q = torch.empty_like(queries)
+    for k0 in range(0, K, MAX_K):
+        kc = min(MAX_K, K - k0)
+        block_d, kp, block_m, num_warps = _launch_shape(d, kc)
+        n_blocks = triton.cdiv(m, block_m)
+        nprog = _n_programs(n_blocks, device)
+        dq_part = torch.empty((nprog, kc, d), dtype=torch.float32, device=device)
+        _bwd_kernel[(nprog,)](
+            tuple(sources), _rows(r), queries[k0:], _rows(z[k0:]), _rows(lse[k0:]),
+            _rows(prefix_lse) if has_prefix else lse, tuple(_rows(o) for o in outs) if has_prefix else (first,),
+            d_outs[k0 : k0 + kc], _rows(dz_ext[k0:]) if dz_ext is not None else z,
+            _rows(dlse[k0:]) if dlse is not None else lse,
+            tuple(d_src), dq_part, tuple(d_pre_h) if has_prefix else (first,), d_pre_lse if has_prefix else lse,
+            m, d, n_blocks,
+            K=kc, KP=kp, HAS_PREFIX=has_prefix, HAS_DZ=dz_ext is not None, HAS_DLSE=dlse is not None,
+            ACCUMULATE=k0 > 0, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        )
+        d_q[k0 : k0 + kc] = dq_part.sum(0)
+    if split:
+        d_src = [g.to(v.dtype) for g, v in zip(d_src, sources, strict=True)]
+    return d_src, d_q, d_pre_h, d_pre_lse
+
+
+@_bwd_op.register_fake
+def _(sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse):
+    has_prefix = prefix_lse is not None
+    return (
+        [v.new_empty(v.shape) for v in sources],
+        queries.new_empty(queries.shape, dtype=torch.float32),
+        [sources[0].new_empty(sources[0].shape)] if has_prefix else [],
+        torch.empty_like(lse) if has_prefix else lse.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    sources, r_cache, queries, prefix_h, prefix_lse, eps = inputs
+    outs, z, lse, r_new = output
+    ctx.n, ctx.has_prefix, ctx.q_dtype = len(sources), prefix_lse is not None, queries.dtype
+    r = r_cache if r_cache is not None else r_new
+    ctx.save_for_backward(r, queries, z, lse, prefix_lse, *sources, *(outs if ctx.has_prefix else ()))
+
+
+def _backward(ctx, d_outs, dz, dlse, _dr):
+    r, queries, z, lse, prefix_lse, *rest = ctx.saved_tensors
+    sources, outs = rest[: ctx.n], rest[ctx.n :]
+    d_outs = [torch.zeros_like(sources[0]) if g is None else g for g in d_outs]
+    d_src, d_q, d_pre_h, d_pre_lse = _bwd_op(sources, r, queries, z, lse, prefix_lse, list(outs), d_outs, dz, dlse)
+    if not ctx.has_prefix:
+        return d_src, None, d_q.to(ctx.q_dtype), [], None, None
+    return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# entry points (the signatures of torch_fused.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def inv_rms(v: Tensor, eps: float) -> Tensor:
+    """1 / sqrt(mean(v^2 over D) + eps), (..., D) -> (...) float32, no gradient; exact for any
+    finite input (rows are rescaled in registers)."""
+    return _inv_rms_op(v.detach(), eps)
+
+
+def run_depth_attention(
+    sources: Sequence[Tensor],
+    r_cache: Tensor | None,
+    queries: Tensor,
+    prefix_h: Sequence[Tensor] = (),
+    prefix_lse: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h and prefix_lse
+    (r_cache is a cached function of the sources, see torch_fused.py)."""
+    r_cache = None if r_cache is None else r_cache.detach()
+    outs, z, lse, _ = _fwd_op(list(sources), r_cache, queries, list(prefix_h), prefix_lse, eps)
+    return outs, z, lse
+
+
+def fused_depth_attention(
+    sources: Sequence[Tensor],
+    pseudo_query: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
+
+    Returns `(h, weights)`: h is (B, T, D) in the sources' dtype, weights is
+    (S, B, T) in float32 (float64 for float64 sources) and sums to 1 over S for
+    every token. Inputs are not validated here: `attnres.functional` does that
+    once, at the public boundary.
+    """
+    query = pseudo_query.float()
+    if norm_weight is not None:
+        query = query * norm_weight.float()  # fold the key-norm gain into the query
+    outs, z, lse = run_depth_attention(list(sources), None, query.unsqueeze(0), eps=eps)
+    return outs[0], torch.softmax(z[0], dim=0)  # as the reference computes them: exactly uniform for equal logits

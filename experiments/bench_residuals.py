@@ -1,0 +1,379 @@
+"""Cost of AttnRes against the standard residual, measured in one process.
+
+For standard, Block AttnRes (N blocks, default 8) and Full AttnRes at one model shape
+(default GPT-small: 12 layers, 768 wide, 12 heads, T 1024, batch 16, vocab 32768, bf16 on
+GPU), measures
+
+- train step time: forward + backward + AdamW step,
+- prefill time: a no-grad forward in eval mode,
+- peak memory of both (CUDA max_memory_allocated; not measured on CPU),
+
+eager and under torch.compile, and the depth-attention op alone (N + 1 sources, all B*T
+tokens) against its memory-traffic floor. Times are medians of repeated steps after
+warm-up, CUDA events on GPU; the strategies are timed in interleaved rounds (standard,
+block, full, standard, ...) so that a busy machine slows all of them alike. Prints a table
+of ratios to standard and, with --json PATH, writes every figure.
+
+    python experiments/bench_residuals.py                  # GPU, GPT-small, eager + compiled
+    python experiments/bench_residuals.py --quick          # CPU-sized (T 128, batch 2), eager, 1 thread
+    python experiments/bench_residuals.py --quick --kernel naive   # the reference path ("before")
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer
+from attnres.functional import depth_attention, resolve_kernel, triton_available
+
+GPT_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 1024, "batch": 16, "vocab": 32768}
+# --quick keeps GPT-small's depth, width and vocabulary (what sets AttnRes's cost relative to
+# the rest of a step, per token) and shrinks only the tokens per step, to fit a CPU
+QUICK = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 128, "batch": 2, "vocab": 32768}
+H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help=f"CPU-sized shape ({QUICK}); compile off unless --compile")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write all figures here")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per strategy and mode (default 10, quick 8)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 2)")
+    p.add_argument("--compile", dest="modes", action="store_const", const="eager,compiled",
+                   help="eager and torch.compile (the default except with --quick)")
+    p.add_argument("--no-compile", dest="modes", action="store_const", const="eager", help="eager only")
+    p.add_argument("--modes", dest="modes", default=None,
+                   help="comma-separated subset of eager,compiled (e.g. 'compiled' alone, to split a long GPU run)")
+    p.add_argument("--kernel", default="auto", choices=["auto", "triton", "torch", "naive"],
+                   help="depth-attention implementation of the AttnRes strategies (naive = the reference path)")
+    p.add_argument("--strategies", default="standard,block,full", help="comma-separated subset")
+    p.add_argument("--num-blocks", type=int, default=8)
+    p.add_argument("--n-layer", type=int)
+    p.add_argument("--n-embd", type=int)
+    p.add_argument("--n-head", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads on CPU (default: 1 with --quick, else torch's; on a small shared "
+                        "machine, multi-threaded ops measure the scheduler more than the op)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help=f"bytes/s of the op's floor (default: H200 {H200_BANDWIDTH:.1e} on CUDA, a copy on CPU)")
+    p.add_argument("--op-only", action="store_true", help="only the op-vs-floor measurement")
+    args = p.parse_args(argv)
+    shape = dict(QUICK if args.quick else GPT_SMALL)
+    for key in shape:
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    args.shape = shape
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")]
+    args.steps = args.steps or (8 if args.quick else 10)
+    args.warmup = args.warmup or (2 if args.quick else 3)
+    args.modes = [m.strip() for m in (args.modes or ("eager" if args.quick else "eager,compiled")).split(",")]
+    if not set(args.modes) <= {"eager", "compiled"}:
+        p.error(f"--modes takes eager and/or compiled, got {args.modes}")
+    if args.threads is None and args.quick and args.device.type == "cpu":
+        args.threads = 1
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Wall time on CPU, CUDA events on GPU (read after one synchronize per round)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object]) -> Callable[[], float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            return lambda: start.elapsed_time(end) / 1e3
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        return lambda: dt
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def interleaved(fns: dict[str, Callable[[], object]], steps: int, warmup: int, timer: Timer) -> dict[str, dict]:
+    """Median seconds per call of each fn; rounds rotate the order. Also the first call's time
+    (compilation included, for compiled fns)."""
+    first = {}
+    for name, fn in fns.items():
+        t = time.perf_counter()
+        fn()
+        timer.sync()
+        first[name] = time.perf_counter() - t
+        for _ in range(warmup - 1):
+            fn()
+    timer.sync()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(steps):
+        order = names[r % len(names):] + names[: r % len(names)]
+        pending = [(name, timer(fns[name])) for name in order]
+        timer.sync()
+        for name, read in pending:
+            samples[name].append(read())
+    return {
+        name: {"median_s": statistics.median(s), "min_s": min(s), "first_call_s": first[name], "samples_s": s}
+        for name, s in samples.items()
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+# ------------------------------------------------------------------------------------------------
+
+
+def strategy_factory(name: str, args: argparse.Namespace):
+    if name == "standard":
+        return StandardResidual
+    if name == "block":
+        return functools.partial(BlockAttentionResidual, num_blocks=args.num_blocks, kernel=args.kernel)
+    if name == "full":
+        return functools.partial(FullAttentionResidual, kernel=args.kernel)
+    raise ValueError(f"unknown strategy {name!r}; choose from standard, block, full")
+
+
+class Case:
+    """One strategy: model, optimizer, data, and its step functions (eager or compiled)."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        s = args.shape
+        torch.manual_seed(0)
+        self.model = Transformer(
+            vocab_size=s["vocab"], n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
+            block_size=s["seq_len"], residual=strategy_factory(name, args),
+        ).to(device=args.device, dtype=args.dtype)
+        residual = self.model.residual
+        if hasattr(residual, "pseudo_query"):  # trained-looking queries: weights far from uniform
+            with torch.no_grad():
+                residual.pseudo_query.normal_(0.0, 1.0 / s["n_embd"] ** 0.5)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        gen = torch.Generator().manual_seed(1)
+        shape = (s["batch"], s["seq_len"])
+        self.idx = torch.randint(0, s["vocab"], shape, generator=gen).to(args.device)
+        self.targets = torch.randint(0, s["vocab"], shape, generator=gen).to(args.device)
+        self.compiled = None
+
+    def train_step(self, compiled: bool = False) -> None:
+        model = self.compiled if compiled else self.model
+        self.model.train()
+        loss = model(self.idx, targets=self.targets)["loss"]
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def prefill(self, compiled: bool = False) -> None:
+        model = self.compiled if compiled else self.model
+        self.model.eval()
+        with torch.no_grad():
+            model(self.idx)
+
+    def static_bytes(self) -> int:
+        """Parameters and optimizer state: resident between steps, counted in the peak."""
+        n = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        for state in self.opt.state.values():
+            n += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        return n
+
+
+def peak_bytes(case: Case, fn: Callable[[], None], device: torch.device) -> int | None:
+    """Peak memory of one call as if the case were alone on the device: the rise of
+    max_memory_allocated during the call plus the case's resident parameters and optimizer
+    state. None on CPU (not measured: no allocator statistics there)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base + case.static_bytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# the op alone
+# ------------------------------------------------------------------------------------------------
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large copy (read + write) on this device, best of a few."""
+    src = torch.empty(16 * 2**20, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    timer, best = Timer(device), float("inf")
+    for _ in range(3):
+        dst.copy_(src)
+    for _ in range(10):
+        read = timer(lambda: dst.copy_(src))
+        timer.sync()
+        best = min(best, read())
+    return 2 * src.numel() * src.element_size() / best
+
+
+def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
+    """Depth attention over N + 1 sources of (B, T, D), forward and forward + backward, per
+    implementation, against the floor: forward reads N + 1 sources and writes h; backward
+    reads dh and the sources and writes their gradients (3 (N + 1) + 2 tensor passes in all)."""
+    s, dev, dtype = args.shape, args.device, args.dtype
+    n_src = args.num_blocks + 1
+    gen = torch.Generator().manual_seed(0)
+    sources = [
+        torch.randn(s["batch"], s["seq_len"], s["n_embd"], generator=gen).to(dev, dtype).requires_grad_()
+        for _ in range(n_src)
+    ]
+    query = (torch.randn(s["n_embd"], generator=gen) / s["n_embd"] ** 0.5).to(dev).requires_grad_()
+    gain = torch.ones(s["n_embd"], device=dev, requires_grad=True)
+    dh = torch.randn_like(sources[0])
+    tensor_bytes = sources[0].numel() * sources[0].element_size()
+    floors = {
+        "forward": (n_src + 1) * tensor_bytes / bandwidth,
+        "forward_backward": (3 * n_src + 2) * tensor_bytes / bandwidth,
+    }
+    kernels = ["naive", "torch"] + (["triton"] if dev.type == "cuda" and triton_available() else [])
+    timer = Timer(dev)
+    out = {"sources": n_src, "tokens": s["batch"] * s["seq_len"], "D": s["n_embd"], "dtype": str(dtype),
+           "bandwidth_bytes_per_s": bandwidth, "floor_s": floors, "kernels": {}}
+    for kernel in kernels:
+        def fwd(kernel=kernel):
+            with torch.no_grad():
+                depth_attention(sources, query, gain, kernel=kernel)
+
+        def fwd_bwd(kernel=kernel):
+            h, _ = depth_attention(sources, query, gain, kernel=kernel)
+            h.backward(dh)
+
+        reps = 20 if dev.type == "cuda" else 5
+        res = interleaved({"forward": fwd, "forward_backward": fwd_bwd}, reps, 3, timer)
+        out["kernels"][kernel] = {
+            mode: {"median_s": r["median_s"], "vs_floor": r["median_s"] / floors[mode]} for mode, r in res.items()
+        }
+        for x in (*sources, query, gain):
+            x.grad = None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+def fmt_ratio(x: float | None, base: float | None) -> str:
+    return "n/a" if x is None or not base else f"{x / base:.3f}x"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = args.device
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    impl = resolve_kernel(args.kernel, torch.empty(0, device=dev, dtype=args.dtype))
+    info = {
+        "shape": args.shape, "num_blocks": args.num_blocks, "dtype": str(args.dtype), "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "kernel": args.kernel, "kernel_resolved": impl,
+        "steps": args.steps, "warmup": args.warmup, "modes": args.modes, "python": sys.version.split()[0],
+    }
+    print("bench_residuals:", json.dumps(info), flush=True)
+    results: dict = {"info": info}
+
+    def save() -> None:  # after every stage: a run cut short still leaves its figures
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2))
+
+    bandwidth = args.bandwidth or (H200_BANDWIDTH if dev.type == "cuda" else copy_bandwidth(dev))
+    results["op"] = bench_op(args, bandwidth)
+    save()
+    if not args.op_only:
+        timer = Timer(dev)
+        cases = {name: Case(name, args) for name in args.strategies}
+        for tag in args.modes:
+            compiled = tag == "compiled"
+            if compiled:
+                for case in cases.values():
+                    case.compiled = torch.compile(case.model)
+            train = interleaved({n: functools.partial(c.train_step, compiled) for n, c in cases.items()},
+                                args.steps, args.warmup, timer)
+            prefill = interleaved({n: functools.partial(c.prefill, compiled) for n, c in cases.items()},
+                                  args.steps, args.warmup, timer)
+            for name, case in cases.items():
+                results.setdefault(tag, {})[name] = {
+                    "train_step_s": train[name]["median_s"],
+                    "train_first_call_s": train[name]["first_call_s"],
+                    "train_samples_s": train[name]["samples_s"],
+                    "prefill_s": prefill[name]["median_s"],
+                    "prefill_samples_s": prefill[name]["samples_s"],
+                    "peak_train_bytes": peak_bytes(case, functools.partial(case.train_step, compiled), dev),
+                    "peak_prefill_bytes": peak_bytes(case, functools.partial(case.prefill, compiled), dev),
+                }
+            save()
+            print(f"[{tag} done]", flush=True)
+    report(results)
+    save()
+    if args.json:
+        print(f"wrote {args.json}")
+    return results
+
+
+def report(results: dict) -> None:
+    info = results["info"]
+    print(f"\nshape {info['shape']}, N={info['num_blocks']}, {info['dtype']} on {info['device']} "
+          f"({info['device_name']}, {info['threads']} threads), kernel={info['kernel']} -> {info['kernel_resolved']}")
+    for tag in ("eager", "compiled"):
+        if tag not in results:
+            continue
+        rows = results[tag]
+        base = rows.get("standard", {})
+        print(f"\n{tag:<9}| train step        | prefill           | peak train mem  | peak prefill mem")
+        for name, r in rows.items():
+            cells = []
+            for key, unit in (("train_step_s", "ms"), ("prefill_s", "ms"),
+                              ("peak_train_bytes", "GiB"), ("peak_prefill_bytes", "GiB")):
+                x = r[key]
+                value = "n/a" if x is None else (f"{x * 1e3:8.2f} ms" if unit == "ms" else f"{x / 2**30:6.2f} GiB")
+                cells.append(f"{value} {fmt_ratio(x, base.get(key)):>7}")
+            print(f"{name:<9}| " + " | ".join(cells))
+    op = results["op"]
+    print(f"\nop: {op['sources']} sources x {op['tokens']} tokens x D {op['D']} {op['dtype']}, floor at "
+          f"{op['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s: forward {op['floor_s']['forward'] * 1e6:.1f} us, "
+          f"forward+backward {op['floor_s']['forward_backward'] * 1e6:.1f} us")
+    for kernel, r in op["kernels"].items():
+        f, fb = r["forward"], r["forward_backward"]
+        print(f"  {kernel:<7} forward {f['median_s'] * 1e6:9.1f} us ({f['vs_floor']:5.2f}x floor)   "
+              f"forward+backward {fb['median_s'] * 1e6:9.1f} us ({fb['vs_floor']:5.2f}x floor)")
+
+
+if __name__ == "__main__":
+    main()

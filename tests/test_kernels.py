@@ -1,0 +1,389 @@
+"""The fast depth-attention paths (`attnres/ops/torch_fused.py`, `attnres/ops/triton_fused.py`)
+against the reference (`naive.py`) and the independent float64 reference of tests/conftest.py:
+the op, the two-phase API the strategies use, the strategies themselves, dispatch and
+torch.compile. Forward and every gradient go through the one `rel_err` helper.
+
+Triton runs on CUDA when a GPU is present (`gpu` marker), and otherwise in Triton's CPU
+interpreter when triton is installed: TRITON_INTERPRET=1 is set below, before anything
+imports the kernels (triton reads it when a kernel is defined). Interpreted shapes are tiny.
+"""
+
+# Arguments use DESIGN.md's shape names (S sources, B, T, D, L sublayers, N blocks, K queries).
+# ruff: noqa: N803
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import attnres
+from attnres import BlockAttentionResidual, FullAttentionResidual
+from attnres.functional import (
+    completed_attention,
+    depth_attention,
+    fold_queries,
+    key_inv_rms,
+    merge_partial,
+    resolve_kernel,
+    triton_available,
+)
+from attnres.ops import naive_depth_attention
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = triton_available()  # finds triton (>= 3.2) without importing it
+if HAS_TRITON and not HAS_CUDA:  # before attnres.ops.triton_fused, hence triton.jit, is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON or (not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs triton (CUDA, or its CPU interpreter with TRITON_INTERPRET=1)",
+)
+needs_gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA device and triton")
+
+DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# relative error allowed per input dtype (as tests/test_functional.py)
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def impl_params(dtypes_torch, dtypes_triton):
+    """(kernel, device, dtype) cases: the torch path on CPU, Triton interpreted or on CUDA."""
+    params = [pytest.param("torch", "cpu", dt, id=f"torch-{DTYPE_NAMES[dt]}") for dt in dtypes_torch]
+    params += [
+        pytest.param("triton", TRITON_DEVICE, dt, id=f"triton-{DTYPE_NAMES[dt]}", marks=needs_triton)
+        for dt in dtypes_triton
+    ]
+    return params
+
+
+IMPLS = impl_params([torch.float64, torch.float32, torch.bfloat16], [torch.float32, torch.bfloat16, torch.float16])
+
+# (S sources, B, T, D): one source, non-powers of two (48, 97), B*T from 1 to 34
+OP_CASES = [
+    pytest.param(1, 2, 3, 8, id="S1-BT6-D8"),
+    pytest.param(3, 1, 1, 48, id="S3-BT1-D48"),
+    pytest.param(5, 2, 17, 97, id="S5-BT34-D97"),
+    pytest.param(9, 1, 5, 64, id="S9-BT5-D64"),
+]
+
+
+def sources_and_params(S, B, T, D, dtype, device, seed):
+    """Leaf sources of different magnitudes, a nonzero query (O(1) logits) and a gain."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.exp(torch.randn(S, generator=gen, dtype=torch.float64)).tolist()
+    srcs = [(torch.randn(B, T, D, generator=gen, dtype=torch.float64) * s) for s in scales]
+    q = torch.randn(D, generator=gen, dtype=torch.float64) * 2.0 / D**0.5
+    g = 1.0 + 0.5 * torch.randn(D, generator=gen, dtype=torch.float64)
+    leaf = functools.partial(_leaf, dtype=dtype, device=device)
+    return [leaf(s) for s in srcs], leaf(q, dtype=torch.float32 if dtype != torch.float64 else dtype), leaf(g)
+
+
+def _leaf(x, dtype, device):
+    return x.to(device=device, dtype=dtype).requires_grad_()
+
+
+def upcast(xs):
+    return [x.detach().cpu().to(torch.float64).requires_grad_() for x in xs]
+
+
+def grads_of(outputs, cotangents, inputs):
+    """d(sum_k <output_k, cotangent_k>)/d inputs; cotangents are float64 CPU tensors."""
+    total = sum((o.to(torch.float64).cpu() * c).sum() for o, c in zip(outputs, cotangents, strict=True))
+    return torch.autograd.grad(total, inputs, allow_unused=True)
+
+
+def cotangents_for(tensors, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in tensors]
+
+
+def assert_close(rel_err, got, want, tol, what):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        err = rel_err(a.cpu(), b)
+        assert err < tol, f"{what}[{i}]: relative error {err:.2e} >= {tol:.0e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the op: fast paths against the reference, forward and every gradient
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("S,B,T,D", OP_CASES)
+@pytest.mark.parametrize("kernel,device,dtype", IMPLS)
+def test_op_matches_reference(kernel, device, dtype, S, B, T, D, rel_err, ref_depth_attention):
+    srcs, q, g = sources_and_params(S, B, T, D, dtype, device, seed=S * 100 + D)
+    h, w = depth_attention(srcs, q, g, kernel=kernel)
+    assert h.dtype == dtype and h.shape == (B, T, D) and h.device.type == device
+    assert w.dtype == torch.promote_types(dtype, torch.float32) and w.shape == (S, B, T)
+    inputs = [*srcs, q, g]
+    cot = cotangents_for([h, w], seed=S)
+    grads = grads_of([h, w], cot, inputs)
+
+    ref_inputs = upcast(inputs)
+    ref_h, ref_w = ref_depth_attention(ref_inputs[:S], ref_inputs[S], ref_inputs[S + 1])
+    ref_grads = grads_of([ref_h, ref_w], cot, ref_inputs)
+    tol = TOL[dtype]
+    assert_close(rel_err, [h, w], [ref_h, ref_w], tol, "forward")
+    assert rel_err(w.cpu(), ref_w) < TOL[torch.promote_types(dtype, torch.float32)] * 10  # float32 statistics
+    assert_close(rel_err, grads, ref_grads, tol, "grad")
+
+    # and the same as the naive implementation on the same inputs
+    nh, nw = naive_depth_attention(srcs, q, g)
+    assert_close(rel_err, [h, w], [nh.to(torch.float64), nw.to(torch.float64)], tol, "vs naive")
+
+
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float32], [torch.float32, torch.bfloat16]))
+@pytest.mark.parametrize("magnitude", [1e30, 1e-30], ids=["1e30", "1e-30"])
+def test_op_extreme_magnitudes(kernel, device, dtype, magnitude, rel_err, ref_depth_attention):
+    """Squares of 1e30 overflow float32: the statistics rescale rows (naive.py does the same)."""
+    srcs, q, g = sources_and_params(3, 1, 4, 16, torch.float64, "cpu", seed=4)
+    srcs = [(s.detach() * magnitude).to(device=device, dtype=dtype) for s in srcs]
+    q, g = q.detach().float().to(device), g.detach().float().to(device)
+    h, w = depth_attention(srcs, q, g, kernel=kernel)
+    ref_h, ref_w = ref_depth_attention(upcast(srcs), q.double().cpu(), g.double().cpu())
+    assert torch.isfinite(h).all()
+    assert rel_err(w.cpu(), ref_w) < 1e-5
+    assert rel_err(h.cpu(), ref_h) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# the two-phase API: phase 1 (K queries, cached statistics) and phase 2 (merge)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n,K,extra,cached",
+    [
+        pytest.param(1, 1, 1, True, id="n1-K1-extra1-cached"),
+        pytest.param(3, 3, 1, False, id="n3-K3-extra1"),
+        pytest.param(2, 6, 2, True, id="n2-K6-extra2-cached"),  # K > 4: Triton splits the queries
+        pytest.param(4, 2, 3, False, id="n4-K2-extra3"),
+    ],
+)
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64], [torch.float32]))
+def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached, rel_err, ref_depth_attention):
+    """K queries meet n completed sources in one phase-1 pass; query k then merges `extra`
+    newer sources: the result is depth attention over all n + extra sources."""
+    D, eps = 24, 1e-6
+    srcs, _, _ = sources_and_params(n + extra, 2, 3, D, dtype, device, seed=7 * n + K)
+    gen = torch.Generator().manual_seed(K)
+    Q = (torch.randn(K, D, generator=gen, dtype=torch.float64) * 2 / D**0.5).to(device, dtype).requires_grad_()
+    G = (1 + 0.5 * torch.randn(K, D, generator=gen, dtype=torch.float64)).to(device, dtype).requires_grad_()
+    queries = fold_queries(Q, G, dtype)
+    completed, newer = srcs[:n], srcs[n:]
+    r_done = torch.stack([key_inv_rms(v, eps, kernel) for v in completed]) if cached else None
+    r_new = torch.stack([key_inv_rms(v, eps, kernel) for v in newer]) if cached else None
+    accs, lse = completed_attention(completed, r_done, queries, eps, kernel)
+    assert len(accs) == K and lse.shape == (K, 2, 3)
+    hs = [merge_partial(accs[k], lse[k], newer, r_new, queries[k], eps, kernel) for k in range(K)]
+    outputs = [*hs, *accs, lse]
+    cot = cotangents_for(outputs, seed=n)
+    inputs = [*srcs, Q, G]
+    grads = grads_of(outputs, cot, inputs)
+
+    ref_inputs = upcast(inputs)
+    ref_srcs, ref_Q, ref_G = ref_inputs[: n + extra], ref_inputs[-2], ref_inputs[-1]
+    ref_hs, ref_accs, ref_lse = [], [], []
+    for k in range(K):
+        ref_hs.append(ref_depth_attention(ref_srcs, ref_Q[k], ref_G[k], eps)[0])
+        ref_accs.append(ref_depth_attention(ref_srcs[:n], ref_Q[k], ref_G[k], eps)[0])
+        keys = torch.stack([v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) for v in ref_srcs[:n]])
+        ref_lse.append(torch.logsumexp((keys * ref_G[k] * ref_Q[k]).sum(-1), dim=0))
+    ref_outputs = [*ref_hs, *ref_accs, torch.stack(ref_lse)]
+    ref_grads = grads_of(ref_outputs, cot, ref_inputs)
+    tol = TOL[dtype]
+    assert_close(rel_err, outputs, ref_outputs, tol, "forward")
+    assert_close(rel_err, grads, ref_grads, tol, "grad")
+
+
+# ------------------------------------------------------------------------------------------------
+# the strategies: fast path against the reference path (kernel="naive"), forward and gradients
+# ------------------------------------------------------------------------------------------------
+
+# (kind, L, N, key_norm_gain, output_aggregation)
+STRATEGY_CASES = [
+    ("block", 4, 2, True, True),
+    ("block", 6, 3, True, True),
+    ("block", 6, 1, True, True),  # S = 6 > 4 queries in one phase-1 pass
+    ("block", 4, 4, True, True),  # N = L: Full AttnRes
+    ("block", 6, 2, False, False),
+    ("full", 3, None, True, True),
+    ("full", 9, None, True, True),  # chunks of C = 3 sublayers
+    ("full", 5, None, False, False),
+]
+
+
+def strategy_id(kind, L, N, gain, agg):
+    return f"{kind}-L{L}" + (f"-N{N}" if N else "") + ("" if gain else "-nogain") + ("" if agg else "-noagg")
+
+
+def make_strategy(kind, L, N, gain, agg, kernel, d):
+    if kind == "full":
+        s = FullAttentionResidual(d, L, key_norm_gain=gain, output_aggregation=agg, kernel=kernel)
+    else:
+        s = BlockAttentionResidual(d, L, num_blocks=N, key_norm_gain=gain, output_aggregation=agg, kernel=kernel)
+    gen = torch.Generator().manual_seed(L)
+    with torch.no_grad():  # random nonzero queries and gains: weights far from uniform
+        s.pseudo_query.copy_(torch.randn(s.pseudo_query.shape, generator=gen) * 2 / d**0.5)
+        if s.key_norm_weight is not None:
+            s.key_norm_weight.copy_(1 + 0.5 * torch.randn(s.key_norm_weight.shape, generator=gen))
+    return s
+
+
+def make_sublayers(L, d, seed=0):
+    torch.manual_seed(seed)
+    return nn.ModuleList(
+        nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.Tanh()) if i % 2 == 0 else nn.Linear(d, d)
+        for i in range(L)
+    )
+
+
+@pytest.mark.parametrize(
+    "kind,L,N,gain,agg", [pytest.param(*c, id=strategy_id(*c)) for c in STRATEGY_CASES]
+)
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64, torch.float32], [torch.float32]))
+def test_strategy_fast_path_matches_reference_path(kernel, device, dtype, kind, L, N, gain, agg, rel_err):
+    d = 16
+    fast = make_strategy(kind, L, N, gain, agg, kernel, d).to(device, dtype)
+    ref = make_strategy(kind, L, N, gain, agg, "naive", d).to(device, dtype)
+    sublayers = make_sublayers(L, d).to(device, dtype)
+    e = torch.randn(2, 5, d, dtype=torch.float64).to(device, dtype).requires_grad_()
+    params = [p for p in fast.parameters()]
+    ref_params = [p for p in ref.parameters()]
+    cot = torch.randn(2, 5, d, dtype=torch.float64).to(device, dtype)
+
+    out = fast(e, sublayers)
+    grads = torch.autograd.grad(out, [e, *params, *sublayers.parameters()], cot)
+    ref_out = ref(e, sublayers)
+    ref_grads = torch.autograd.grad(ref_out, [e, *ref_params, *sublayers.parameters()], cot)
+    tol = TOL[dtype] * (1 if dtype == torch.float64 else 10)  # float32: L chained ops
+    assert rel_err(out, ref_out) < tol
+    assert_close(rel_err, grads, [g.to(torch.float64) for g in ref_grads], tol, "grad")
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64], [torch.float32]))
+def test_recording_pass_records_exact_weights(kernel, device, dtype, kind, rel_err, ref_depth_attention):
+    """Recording passes run one attention per sublayer: the recorded weights are the reference's,
+    and the output equals that of the fast (non-recording) pass."""
+    L, N, d = 4, 2, 8
+    s = make_strategy(kind, L, N if kind == "block" else None, True, True, kernel, d).to(device, dtype)
+    ref = make_strategy(kind, L, N if kind == "block" else None, True, True, "naive", d).to(device, dtype)
+    sublayers = make_sublayers(L, d).to(device, dtype)
+    e = torch.randn(1, 3, d, dtype=torch.float64).to(device, dtype)
+    fast_out = s(e, sublayers)
+    s.record_next()
+    ref.record_next()
+    rec_out = s(e, sublayers)
+    ref_out = ref(e, sublayers)
+    tol = TOL[dtype]
+    assert rel_err(rec_out, fast_out) < tol * 10 and rel_err(rec_out, ref_out) < tol
+    assert sorted(s.recorded.weights) == list(range(L + 1))
+    for index, w in ref.recorded.weights.items():
+        assert rel_err(s.recorded.weights[index], w) < tol
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch, packaging, torch.compile
+# ------------------------------------------------------------------------------------------------
+
+
+def test_auto_dispatch_and_errors(monkeypatch):
+    cpu = torch.zeros(1)
+    assert resolve_kernel("auto", cpu) == "torch"
+    assert resolve_kernel("auto", cpu.double()) == "torch"
+    assert resolve_kernel("naive", cpu) == "naive"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        resolve_kernel("cuda", cpu)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        BlockAttentionResidual(8, 4, num_blocks=2, kernel="fast")
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match="float32, bfloat16 and float16"):
+            resolve_kernel("triton", cpu.double())
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            resolve_kernel("triton", cpu)
+
+
+def test_import_attnres_never_imports_triton():
+    root = Path(attnres.__file__).resolve().parents[1]
+    code = (
+        "import sys, torch, attnres, attnres.functional\n"
+        "from attnres import BlockAttentionResidual\n"
+        "s = BlockAttentionResidual(8, 4, num_blocks=2)\n"
+        "s(torch.randn(1, 2, 8), [torch.nn.Identity()] * 4).sum().backward()\n"
+        "print('triton' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float32], [torch.float32]))
+def test_compiles_without_graph_breaks(kernel, device, dtype, rel_err):
+    """fullgraph=True fails on any graph break; aot_eager traces forward and backward quickly."""
+    L, d = 4, 8
+    s = make_strategy("block", L, 2, True, True, kernel, d).to(device, dtype)
+    sublayers = make_sublayers(L, d).to(device, dtype)
+    e = torch.randn(1, 3, d, device=device, dtype=dtype, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: s(x, sublayers), backend="aot_eager", fullgraph=True)
+    out = compiled(e)
+    (g,) = torch.autograd.grad(out.sum(), [e])
+    ref_out = s(e, sublayers)
+    (ref_g,) = torch.autograd.grad(ref_out.sum(), [e])
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(g, ref_g) < 1e-5
+    with torch.no_grad():  # inference (prefill) traces another graph
+        assert rel_err(compiled(e), ref_out) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: realistic shapes, Inductor
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize(
+    "S,BT,D",
+    [pytest.param(9, 4096, 768, id="S9-BT4096-D768"), pytest.param(3, 1000, 1000, id="S3-BT1000-D1000"),
+     pytest.param(25, 2048, 97, id="S25-BT2048-D97")],
+)
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_gpu_shapes(S, BT, D, dtype, rel_err):
+    srcs, q, g = sources_and_params(S, 1, BT, D, dtype, "cuda", seed=S)
+    h, w = depth_attention(srcs, q, g, kernel="triton")
+    ref_h, ref_w = naive_depth_attention([s.float() for s in srcs], q, g.float())
+    cot = torch.randn_like(ref_h)
+    grads = torch.autograd.grad((h.float() * cot).sum(), [*srcs, q, g])
+    ref_grads = torch.autograd.grad((ref_h * cot).sum(), [*srcs, q, g])
+    tol = TOL[dtype]
+    assert rel_err(h, ref_h) < tol and rel_err(w, ref_w) < 1e-5
+    assert_close(rel_err, grads, ref_grads, tol, "grad")
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_gpu_strategy_under_inductor(kind, rel_err):
+    L, d = 8, 96
+    s = make_strategy(kind, L, 4 if kind == "block" else None, True, True, "triton", d).cuda()
+    ref = make_strategy(kind, L, 4 if kind == "block" else None, True, True, "naive", d).cuda()
+    sublayers = make_sublayers(L, d).cuda()
+    e = torch.randn(2, 64, d, device="cuda", requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: s(x, sublayers), fullgraph=True)(e)
+    (g,) = torch.autograd.grad(out.sum(), [e])
+    ref_out = ref(e, sublayers)
+    (ref_g,) = torch.autograd.grad(ref_out.sum(), [e])
+    assert rel_err(out, ref_out) < 1e-4 and rel_err(g, ref_g) < 1e-4
