@@ -38,6 +38,8 @@ def check_group_choices(argv: list[str], conf_dir: Path) -> None:
     Hydra would say so too, over several lines and with exit status 1; this says it in
     one line before anything is composed.
     """
+    if any(arg.lstrip("+~").startswith("hydra.searchpath") for arg in argv):
+        return  # configs from the user's own folders: Hydra knows the choices
     for arg in argv:
         key, sep, values = arg.lstrip("+~").partition("=")
         if not sep or key not in GROUPS_CHECKED or any(c in values for c in "()[]{}$"):
