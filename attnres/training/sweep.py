@@ -88,7 +88,7 @@ def plan_slots(gpus: Sequence[str], jobs_per_gpu: int, cpu_jobs: int | None) -> 
         n = len(gpus) * jobs_per_gpu
         threads = max(1, cores // n)
         return [Slot(f"gpu{g}.{k}", gpu, threads, simulated) for g, gpu in enumerate(gpus) for k in range(jobs_per_gpu)]
-    n = cpu_jobs or max(1, cores // 2)
+    n = cpu_jobs or max(min(2, cores), cores // 2)  # half the cores, but 2 jobs on a 2-core machine
     return [Slot(f"cpu{k}", None, max(1, cores // n)) for k in range(n)]
 
 
