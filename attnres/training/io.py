@@ -32,6 +32,14 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         raise
 
 
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object written by `write_json`, or {} when the file is missing or unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def write_json(path: str | os.PathLike, data: Any) -> None:
     atomic_write(path, lambda f: f.write((json.dumps(data, indent=2, sort_keys=True) + "\n").encode()))
 

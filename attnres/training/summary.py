@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -16,17 +15,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from attnres.training.io import atomic_write
+from attnres.training.io import atomic_write, read_json
 
 COLUMNS = ["job", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
            "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error"]
-
-
-def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _job_row(run_dir: Path) -> dict[str, Any]:
@@ -39,7 +31,7 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
         row["residual"] = choices.get("residual", "?")
         row["num_blocks"] = cfg.get("num_blocks") if "num_blocks" in cfg.get("residual", {}) else "-"
         row["seed"] = cfg.get("seed")
-    metrics = _load_json(run_dir / "metrics.json")
+    metrics = read_json(run_dir / "metrics.json")
     row["status"] = metrics.get("status", "not finished")
     for key in ("val/loss", "val/bpb", "val/accuracy"):
         row[key] = metrics.get("metrics", {}).get(key)
@@ -62,7 +54,7 @@ def short_names(names: list[str]) -> dict[str, str]:
 
 def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """A row per job folder, plus one per job that was skipped as a duplicate of another."""
-    notes = _load_json(sweep_dir / "jobs.json")
+    notes = read_json(sweep_dir / "jobs.json")
     rows = {d.name: _job_row(d) for d in sorted(sweep_dir.iterdir()) if (d / ".hydra").is_dir()}
     for name, note in sorted(notes.items()):
         if note.get("status") == "duplicate" and note.get("same_as") in rows:

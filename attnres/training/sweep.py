@@ -44,6 +44,8 @@ from hydra_plugins.hydra_joblib_launcher._core import launch as joblib_launch
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from attnres.training.io import read_json, write_json
+
 log = logging.getLogger(__name__)
 
 #: the parts of a config that decide what a run computes; everything else (where it logs,
@@ -129,7 +131,8 @@ def effective_key(config: DictConfig) -> str:
     with open_dict(config):
         config.hydra.runtime.output_dir = "<run>"  # resolves ${hydra:runtime.output_dir} alike for all
     HydraConfig.instance().set_config(config)
-    picked = {k: OmegaConf.to_container(config, resolve=True)[k] for k in EFFECTIVE_KEYS if k in config}
+    resolved = OmegaConf.to_container(config, resolve=True)
+    picked = {k: resolved[k] for k in EFFECTIVE_KEYS if k in resolved}
     for dotted in IGNORED_KEYS:
         head, _, leaf = dotted.partition(".")
         if isinstance(picked.get(head), dict):
@@ -138,10 +141,7 @@ def effective_key(config: DictConfig) -> str:
 
 
 def read_status(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "metrics.json").read_text()).get("status")
-    except (OSError, ValueError):
-        return None
+    return read_json(run_dir / "metrics.json").get("status")
 
 
 # -- the launcher --------------------------------------------------------------------------------
@@ -175,8 +175,7 @@ class ParallelLauncher(JoblibLauncher):
                 notes[run_dir.name] = {"status": "finished", "skipped": True}
                 continue
             to_run.append(list(overrides))
-        (sweep_dir / "jobs.json").parent.mkdir(parents=True, exist_ok=True)
-        (sweep_dir / "jobs.json").write_text(json.dumps(notes, indent=2, sort_keys=True) + "\n")
+        write_json(sweep_dir / "jobs.json", notes)
         skipped = len(job_overrides) - len(to_run)
         log.info(
             f"{len(job_overrides)} jobs: {len(to_run)} to run, {skipped} skipped (duplicate or finished); "
@@ -196,8 +195,6 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     Under ParallelLauncher the process is pinned to this worker's slot; under another launcher
     (basic, SLURM) it inherits this process's devices as they are.
     """
-    from attnres.training.io import write_json
-
     slot = None
     if SLOTS_ENV in os.environ:
         slot = claim_slot(Path(os.environ.get("ATTNRES_LOCK_DIR", default_lock_dir())))[0]
