@@ -4,7 +4,7 @@
 and `block_attn_res` are its two public forms. Inputs are validated here, once, and
 then handed to an implementation in `attnres.ops`, chosen by `kernel`:
 
-- "auto" (default): "triton" for CUDA tensors of a half or float32 dtype (D <= 16384) when
+- "auto" (default): "triton" for CUDA tensors of a half or float32 dtype (D <= 8192) when
   triton is installed, "torch" otherwise;
 - "triton": fused Triton kernels (`attnres/ops/triton_fused.py`); CUDA tensors, or CPU
   tensors under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported);
@@ -45,7 +45,7 @@ __all__ = [
 
 KERNELS = ("auto", "triton", "torch", "naive")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TRITON_MAX_D = 16384  # whole rows live in registers
+_TRITON_MAX_D = 8192  # whole rows live in registers; wider rows spill (experiments/kernel_resources.py)
 
 
 def triton_available() -> bool:

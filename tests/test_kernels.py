@@ -161,19 +161,20 @@ def test_op_extreme_magnitudes(kernel, device, dtype, magnitude, rel_err, ref_de
 
 
 @pytest.mark.parametrize(
-    "n,K,extra,cached",
+    "n,K,extra,cached,D",
     [
-        pytest.param(1, 1, 1, True, id="n1-K1-extra1-cached"),
-        pytest.param(3, 3, 1, False, id="n3-K3-extra1"),
-        pytest.param(2, 6, 2, True, id="n2-K6-extra2-cached"),  # K > 4: Triton splits the queries
-        pytest.param(4, 2, 3, False, id="n4-K2-extra3"),
+        pytest.param(1, 1, 1, True, 24, id="n1-K1-extra1-cached-D24"),
+        pytest.param(3, 3, 1, False, 24, id="n3-K3-extra1-D24"),
+        pytest.param(2, 6, 2, True, 24, id="n2-K6-extra2-cached-D24"),  # K > 4: Triton splits the queries
+        pytest.param(4, 2, 3, False, 24, id="n4-K2-extra3-D24"),
+        pytest.param(5, 3, 2, False, 1100, id="n5-K3-extra2-D1100"),  # wide rows: 2 queries per Triton launch
     ],
 )
 @pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64], [torch.float32]))
-def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached, rel_err, ref_depth_attention):
+def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached, D, rel_err, ref_depth_attention):
     """K queries meet n completed sources in one phase-1 pass; query k then merges `extra`
     newer sources: the result is depth attention over all n + extra sources."""
-    D, eps = 24, 1e-6
+    eps = 1e-6
     srcs, _, _ = sources_and_params(n + extra, 2, 3, D, dtype, device, seed=7 * n + K)
     gen = torch.Generator().manual_seed(K)
     Q = (torch.randn(K, D, generator=gen, dtype=torch.float64) * 2 / D**0.5).to(device, dtype).requires_grad_()

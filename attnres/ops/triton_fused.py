@@ -7,7 +7,7 @@ never imports triton.
 - `_fwd_kernel`: one program per BLOCK_M tokens holds whole rows (D padded to a power of
   two, any D up to 16384). For each source it loads v once, takes r = 1 / rms(v) (overflow
   safe: the row is scaled by max(1, max|v|) in registers, for free) or reads a cached r,
-  forms the logits of up to MAX_K queries at once and updates an online softmax
+  forms the logits of up to 4 queries at once and updates an online softmax
   (running max, sum and float32 accumulator per query). It writes the outputs, the logits z
   and the log-sum-exp lse; a "prefix" (a phase-1 result with its lse) starts the softmax.
 - `_bwd_kernel`: recomputes everything from the sources and the saved z, lse and r; a
@@ -35,19 +35,26 @@ from torch import Tensor
 
 __all__ = ["fused_depth_attention", "inv_rms", "run_depth_attention"]
 
-MAX_K = 4  # queries served by one launch; more are split into launches of MAX_K
+MAX_K = 4  # queries served by one launch at most; more are split into several launches
 _MAX_BLOCK_D = 16384
-_TILE = 8192  # float32 elements of one (queries x tokens x D) register tile
+_PER_THREAD = 8  # float32 elements of a (queries x tokens x D) tile held by one thread
+
+
+def _queries_per_launch(d: int) -> int:
+    """Up to MAX_K queries per launch, fewer for wide rows (the (queries, D) tile must fit)."""
+    return max(1, min(MAX_K, 32 * 16 * _PER_THREAD // triton.next_power_of_2(d)))
 
 
 def _launch_shape(d: int, kc: int) -> tuple[int, int, int, int]:
-    """BLOCK_D, KP (queries padded to a power of two), BLOCK_M and num_warps for D and kc queries."""
+    """BLOCK_D, KP (queries padded to a power of two), BLOCK_M and num_warps for D and kc queries:
+    about _PER_THREAD float32 elements of the (KP, BLOCK_M, BLOCK_D) tile per thread, so no
+    variant spills registers and many warps fit on an SM (experiments/kernel_resources.py)."""
     block_d = triton.next_power_of_2(d)
     if block_d > _MAX_BLOCK_D:
         raise ValueError(f"the Triton depth-attention kernels support D <= {_MAX_BLOCK_D}, got D={d}")
     kp = triton.next_power_of_2(kc)
-    block_m = max(1, min(16, _TILE // (kp * block_d)))
-    num_warps = 4 if kp * block_m * block_d <= 4096 else 8
+    num_warps = max(4, min(16, kp * block_d // (32 * _PER_THREAD)))
+    block_m = max(1, min(16, _PER_THREAD * 32 * num_warps // (kp * block_d)))
     return block_d, kp, block_m, num_warps
 
 
@@ -66,6 +73,25 @@ def _row_inv_rms(v, D, eps):
 
 
 @triton.jit
+def _pick(ptrs, i):
+    """ptrs[i] for a runtime i. A tuple takes only compile-time indices; a chain of scalar
+    selects keeps the loop over sources a real loop (see the module docstring)."""
+    p = ptrs[0]
+    for j in tl.static_range(1, len(ptrs)):
+        p = tl.where(i == j, ptrs[j], p)
+    return p
+
+
+@triton.jit
+def _load_next(srcs, i, n_src, offs, mask, cols, D):
+    """Source i + 1's tile (BM, BD) in its own dtype, masked off entirely after the last
+    source. (n_src - 1 - i) * D >= D > every valid column while a source follows, and 0 after
+    the last: integer arithmetic, which the interpreter takes as a mask (a scalar bool not)."""
+    more = cols[None, :] < (n_src - 1 - i) * D
+    return tl.load(_pick(srcs, i + 1) + offs, mask=mask & more, other=0.0)
+
+
+@triton.jit
 def _inv_rms_kernel(x_ptr, r_ptr, M, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -75,14 +101,13 @@ def _inv_rms_kernel(x_ptr, r_ptr, M, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.
     tl.store(r_ptr + rows, _row_inv_rms(v, D, eps), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_src"])
 def _fwd_kernel(
-    srcs, r_in, q_ptr, pre_h, pre_lse, outs, z_ptr, lse_ptr, r_out,
+    srcs, n_src, r_in, q_ptr, pre_h, pre_lse, outs, z_ptr, lse_ptr, r_out,
     M, D, eps,
     K: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
     HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    N_SRC: tl.constexpr = len(srcs)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
     cols = tl.arange(0, BLOCK_D)
     ks = tl.arange(0, KP)
@@ -101,15 +126,17 @@ def _fwd_kernel(
         m = tl.full([KP, BLOCK_M], float("-inf"), tl.float32)
         l_sum = tl.zeros([KP, BLOCK_M], tl.float32)
         acc = tl.zeros([KP, BLOCK_M, BLOCK_D], tl.float32)
-    for i in tl.static_range(N_SRC):
-        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)  # (BM, BD)
+    nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
+    for i in range(n_src):  # a runtime loop, the next source's tile loading during this one
+        v = nxt.to(tl.float32)  # (BM, BD)
+        nxt = _load_next(srcs, i, n_src, offs, mask, cols, D)
         if HAS_RMS:
             r = tl.load(r_in + i * M + rows, mask=row_ok, other=1.0)
         else:
             r = _row_inv_rms(v, D, eps)  # kept for the backward
             tl.store(r_out + i * M + rows, r, mask=row_ok)
         z = tl.sum(v[None, :, :] * q[:, None, :], axis=2) * r[None, :]  # (KP, BM)
-        tl.store(z_ptr + (ks[:, None] * N_SRC + i) * M + rows[None, :], z, mask=zmask)
+        tl.store(z_ptr + (ks[:, None] * n_src + i) * M + rows[None, :], z, mask=zmask)
         m_new = tl.maximum(m, z)
         scale = tl.exp(m - m_new)
         p = tl.exp(z - m_new)
@@ -123,15 +150,14 @@ def _fwd_kernel(
         tl.store(outs[k] + offs, o.to(outs[k].dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_src"])
 def _bwd_kernel(
-    srcs, r_ptr, q_ptr, z_ptr, lse_ptr, pre_lse, outs, d_outs, dz_ptr, dlse_ptr,
+    srcs, n_src, r_ptr, q_ptr, z_ptr, lse_ptr, pre_lse, outs, d_outs, dz_ptr, dlse_ptr,
     d_srcs, dq_ptr, d_pre_h, d_pre_lse,
     M, D, n_blocks,
     K: tl.constexpr, KP: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DZ: tl.constexpr,
     HAS_DLSE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    N_SRC: tl.constexpr = len(srcs)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -161,15 +187,19 @@ def _bwd_kernel(
             P = tl.sum(d_o * o[None, :, :], axis=2)
         else:  # first pass: P = sum_i alpha_i dO . v_i
             P = tl.zeros([KP, BLOCK_M], tl.float32)
-            for i in tl.static_range(N_SRC):
-                v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + (ks[:, None] * N_SRC + i) * M + rows[None, :], mask=zmask, other=0.0)
+            nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
+            for i in range(n_src):
+                v = nxt.to(tl.float32)
+                nxt = _load_next(srcs, i, n_src, offs, mask, cols, D)
+                z = tl.load(z_ptr + (ks[:, None] * n_src + i) * M + rows[None, :], mask=zmask, other=0.0)
                 P += tl.exp(z - lse) * tl.sum(d_o * v[None, :, :], axis=2)
         ag = tl.zeros([KP, BLOCK_M], tl.float32)
-        for i in tl.static_range(N_SRC):
-            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
+        for i in range(n_src):
+            v = nxt.to(tl.float32)
+            nxt = _load_next(srcs, i, n_src, offs, mask, cols, D)
             r = tl.load(r_ptr + i * M + rows, mask=row_ok, other=0.0)
-            zoff = (ks[:, None] * N_SRC + i) * M + rows[None, :]
+            zoff = (ks[:, None] * n_src + i) * M + rows[None, :]
             z = tl.load(z_ptr + zoff, mask=zmask, other=0.0)
             alpha = tl.where(zmask, tl.exp(z - lse), 0.0)  # (KP, BM)
             g = tl.sum(d_o * v[None, :, :], axis=2)
@@ -180,9 +210,10 @@ def _bwd_kernel(
             dzr = dz * r[None, :]
             c = -tl.sum(dz * z, axis=0) * r * r / D  # (BM,): the derivative through r
             dv = tl.sum(alpha[:, :, None] * d_o + dzr[:, :, None] * q[:, None, :], axis=0) + c[:, None] * v
+            d_src = _pick(d_srcs, i)
             if ACCUMULATE:
-                dv += tl.load(d_srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(d_srcs[i] + offs, dv.to(d_srcs[i].dtype.element_ty), mask=mask)
+                dv += tl.load(d_src + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(d_src + offs, dv.to(d_src.dtype.element_ty), mask=mask)
             dq += tl.sum(dzr[:, :, None] * v[None, :, :], axis=1)
         if HAS_PREFIX:
             a_pre = tl.exp(tl.load(pre_lse + kz, mask=zmask, other=0.0) - lse)
@@ -201,9 +232,16 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _n_programs(n_blocks: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return max(1, min(n_blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+def _padded(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """`ts` padded to a power-of-two count by repeating the first: one compiled kernel serves
+    every source count up to that (the kernels loop over the first n_src at run time)."""
+    return (*ts, *(ts[0],) * (triton.next_power_of_2(len(ts)) - len(ts)))
+
+
+def _n_programs(n_blocks: int, num_warps: int, device: torch.device) -> int:
+    if device.type == "cuda":  # about 32 resident warps per SM
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_blocks, sms * max(1, 32 // num_warps)))
     return max(1, min(n_blocks, 4))  # the interpreter: few programs, each looping
 
 
@@ -246,12 +284,13 @@ def _fwd_op(
     has_prefix = prefix_lse is not None
     pre_h = tuple(_rows(p) for p in prefix_h) if has_prefix else (first,)
     pre_lse = _rows(prefix_lse.float()) if has_prefix else lse
-    for k0 in range(0, K, MAX_K):
-        kc = min(MAX_K, K - k0)
+    per_launch = _queries_per_launch(d)
+    for k0 in range(0, K, per_launch):
+        kc = min(per_launch, K - k0)
         block_d, kp, block_m, num_warps = _launch_shape(d, kc)
         has_rms = r_cache is not None or k0 > 0  # later chunks reuse the r the first one wrote
         _fwd_kernel[(triton.cdiv(m, block_m),)](
-            tuple(sources), r, queries[k0:], pre_h, pre_lse, tuple(outs[k0 : k0 + kc]), z[k0:], lse[k0:], r_new,
+            _padded(sources), n, r, queries[k0:], pre_h, pre_lse, tuple(outs[k0 : k0 + kc]), z[k0:], lse[k0:], r_new,
             m, d, eps,
             K=kc, KP=kp, HAS_RMS=has_rms, HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
         )
@@ -292,24 +331,25 @@ def _bwd_op(
     device = first.device
     queries = _rows(queries.float())
     has_prefix = prefix_lse is not None
-    split = K > MAX_K  # gradients of the sources accumulate over launches: keep them float32 then
+    per_launch = _queries_per_launch(d)
+    split = K > per_launch  # gradients of the sources accumulate over launches: keep them float32 then
     d_src = [torch.empty(v.shape, dtype=torch.float32 if split else v.dtype, device=device) for v in sources]
     d_outs = tuple(_rows(g) for g in d_outs)
     d_pre_h = [first.new_empty(first.shape)] if has_prefix else []
     d_pre_lse = torch.empty_like(lse) if has_prefix else lse.new_empty(0)
     d_q = torch.empty_like(queries)
-    for k0 in range(0, K, MAX_K):
-        kc = min(MAX_K, K - k0)
+    for k0 in range(0, K, per_launch):
+        kc = min(per_launch, K - k0)
         block_d, kp, block_m, num_warps = _launch_shape(d, kc)
         n_blocks = triton.cdiv(m, block_m)
-        nprog = _n_programs(n_blocks, device)
+        nprog = _n_programs(n_blocks, num_warps, device)
         dq_part = torch.empty((nprog, kc, d), dtype=torch.float32, device=device)
         _bwd_kernel[(nprog,)](
-            tuple(sources), _rows(r), queries[k0:], _rows(z[k0:]), _rows(lse[k0:]),
+            _padded(sources), len(sources), _rows(r), queries[k0:], _rows(z[k0:]), _rows(lse[k0:]),
             _rows(prefix_lse) if has_prefix else lse, tuple(_rows(o) for o in outs) if has_prefix else (first,),
             d_outs[k0 : k0 + kc], _rows(dz_ext[k0:]) if dz_ext is not None else z,
             _rows(dlse[k0:]) if dlse is not None else lse,
-            tuple(d_src), dq_part, tuple(d_pre_h) if has_prefix else (first,), d_pre_lse if has_prefix else lse,
+            _padded(d_src), dq_part, tuple(d_pre_h) if has_prefix else (first,), d_pre_lse if has_prefix else lse,
             m, d, n_blocks,
             K=kc, KP=kp, HAS_PREFIX=has_prefix, HAS_DZ=dz_ext is not None, HAS_DLSE=dlse is not None,
             ACCUMULATE=k0 > 0, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,

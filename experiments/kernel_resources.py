@@ -1,0 +1,187 @@
+"""Compile the Triton depth-attention kernels for a CUDA GPU, without one, and report what
+each compiled variant costs: registers per thread, spill stack, shared memory.
+
+Runs the Block and Full AttnRes fast paths (forward and backward) on tiny CPU tensors with
+kernel="triton", but instead of launching a kernel it records the launch, as the host code
+in `attnres/ops/triton_fused.py` chose it (constexprs, BLOCK_M, num_warps, sources per
+launch). Each distinct variant is then compiled by Triton for the target architecture
+(default sm_90: H100 / H200) and read back with the `cuobjdump` that ships with Triton.
+T stays 16 and the width is the real one, so the compiled variants are those a real run
+compiles (Triton specialises on divisibility by 16, not on sizes).
+
+Registers and spills are what a kernel can be tuned on without the GPU: a spilling variant
+goes through local memory and cannot reach the bandwidth floor. Timing still needs the GPU
+(`bench_residuals.py`).
+
+    python experiments/kernel_resources.py                       # GPT-small: D 768, 24 sublayers, N 8
+    python experiments/kernel_resources.py --d 4096 --sublayers 64 --num-blocks 8
+    python experiments/kernel_resources.py --d 200 --sublayers 4 --num-blocks 2 --max-spill 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNELS = ("_fwd_kernel", "_bwd_kernel", "_inv_rms_kernel")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability as one number (90: H100/H200)")
+    p.add_argument("--d", type=int, default=768, help="model width D (default 768, GPT-small)")
+    p.add_argument("--sublayers", type=int, default=24, help="L, sublayers (2 per transformer layer; default 24)")
+    p.add_argument("--num-blocks", type=int, default=8, help="N for Block AttnRes (default 8)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--strategies", default="block,full", help="comma-separated subset of block,full")
+    p.add_argument("--max-spill", type=int, default=None, metavar="BYTES",
+                   help="exit 1 if a variant spills more than BYTES per thread (0: any spill)")
+    p.add_argument("--dump", type=Path, default=None, metavar="DIR", help="write each variant's PTX and SASS here")
+    return p.parse_args(argv)
+
+
+class _Target:
+    """Stands in for Triton's CUDA driver: just enough for the compiler to target `arch`."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class _Recorder:
+    """Replaces a kernel object: `kernel[grid](*args, **kw)` records the launch instead."""
+
+    def __init__(self, name: str, fn: Any, launches: dict) -> None:
+        self.name, self.fn, self.launches = name, fn, launches
+
+    def __getitem__(self, grid: tuple) -> Any:
+        def record(*args: Any, **kwargs: Any) -> None:
+            n_src = len(args[0]) if isinstance(args[0], tuple) else 0
+            key = (self.name, n_src, tuple(sorted(kwargs.items())))
+            self.launches.setdefault(key, (self.fn, args, kwargs, grid))
+
+        return record
+
+
+def record_launches(args: argparse.Namespace) -> dict:
+    """Run the strategies' fast paths forward and backward, recording every kernel launch."""
+    from attnres.ops import triton_fused
+
+    from attnres import BlockAttentionResidual, FullAttentionResidual
+
+    launches: dict = {}
+    for name in KERNELS:
+        setattr(triton_fused, name, _Recorder(name, getattr(triton_fused, name), launches))
+    # kernel="triton" accepts CPU tensors only with the interpreter flag; the kernels above were
+    # defined before it was set, so they stay compiled kernels (and are never run here)
+    os.environ["TRITON_INTERPRET"] = "1"
+    dtype, D, L = DTYPES[args.dtype], args.d, args.sublayers
+    strategies = {
+        "block": lambda: BlockAttentionResidual(D, L, num_blocks=args.num_blocks, kernel="triton"),
+        "full": lambda: FullAttentionResidual(D, L, kernel="triton"),
+    }
+    for name in args.strategies.split(","):
+        if name not in strategies:
+            raise SystemExit(f"error: unknown strategy {name!r}; choose from {', '.join(strategies)}")
+        residual = strategies[name]().to(dtype)
+        embedding = torch.zeros(1, 16, D, dtype=dtype, requires_grad=True)
+        sublayers = [lambda h: h * 0.5 for _ in range(L)]
+        residual(embedding, sublayers).float().sum().backward()
+    return launches
+
+
+def resources(cubin: bytes, cuobjdump: Path) -> dict[str, int]:
+    """REG, STACK (bytes of spill stack per thread) and SHARED from `cuobjdump -res-usage`."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    fields = dict(w.split(":", 1) for w in out.stdout.split() if w.split(":", 1)[0] in ("REG", "STACK", "SHARED"))
+    return {k: int(v) for k, v in fields.items()}
+
+
+def warps_per_sm(regs: int, warps: int, smem: int) -> int:
+    """Resident warps per SM on sm_80/sm_90 (64K registers allocated per warp in units of 256,
+    at most 64 warps and 32 blocks, 227 KiB of shared memory per block and SM)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    blocks = min(32, 65536 // (per_warp * warps), 64 // warps, (227 * 1024) // max(smem, 1))
+    return blocks * warps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TRITON_ALWAYS_COMPILE", "1")  # compile times, not cache hits
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("error: unset TRITON_INTERPRET: this script compiles the kernels, it does not interpret them")
+    try:
+        import triton
+        import triton.backends.nvidia as nvidia
+        from triton.runtime.driver import driver
+    except ImportError:
+        raise SystemExit("error: needs triton with its CUDA backend: pip install 'attnres[triton]'") from None
+    cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        raise SystemExit(f"error: {cuobjdump} not found; this triton wheel ships no CUDA binutils")
+    driver.set_active(_Target(args.arch))
+
+    launches = record_launches(args)
+    print(f"triton {triton.__version__}, sm_{args.arch}, D {args.d}, {args.dtype}, L {args.sublayers}, "
+          f"N {args.num_blocks}: {len(launches)} kernel variants")
+    header = f"{'kernel':<16}{'sources':>8}{'K':>3}{'prefix':>7}{'BLOCK_M':>8}{'BLOCK_D':>8}{'warps':>6}"
+    print(header + f"{'regs':>6}{'spill B':>8}{'smem B':>8}{'warps/SM':>9}{'compile s':>10}")
+    spilled, worst = 0, 0
+    for number, ((name, n_src, _), (fn, fargs, kwargs, grid)) in enumerate(
+        sorted(launches.items(), key=lambda kv: kv[0][:2])
+    ):
+        t0 = time.perf_counter()
+        compiled = fn.warmup(*fargs, grid=grid, **kwargs)
+        seconds = time.perf_counter() - t0
+        res = resources(compiled.asm["cubin"], cuobjdump)
+        spilled += res["STACK"] > 0
+        worst = max(worst, res["STACK"])
+        if args.dump is not None:
+            args.dump.mkdir(parents=True, exist_ok=True)
+            stem = args.dump / f"{number:02d}{name}-n{n_src}"
+            stem.with_suffix(".ptx").write_text(compiled.asm["ptx"])
+            stem.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
+            sass = subprocess.run([str(cuobjdump), "-sass", "/dev/stdin"], input=compiled.asm["cubin"],
+                                  capture_output=True, check=False)
+            stem.with_suffix(".sass").write_bytes(sass.stdout)
+        warps = kwargs.get("num_warps", 4)
+        occupancy = warps_per_sm(res["REG"], warps, res["SHARED"])
+        print(f"{name:<16}{n_src:>8}{kwargs.get('K', 1):>3}{str(kwargs.get('HAS_PREFIX', '-')):>7}"
+              f"{kwargs['BLOCK_M']:>8}{kwargs['BLOCK_D']:>8}{warps:>6}"
+              f"{res['REG']:>6}{res['STACK']:>8}{res['SHARED']:>8}{occupancy:>9}{seconds:>10.1f}", flush=True)
+    print(f"{spilled} of {len(launches)} variants spill, at most {worst} bytes per thread" if spilled
+          else "no variant spills")
+    return 1 if args.max_spill is not None and worst > args.max_spill else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
