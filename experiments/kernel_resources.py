@@ -89,9 +89,8 @@ class _Recorder:
 
 def record_launches(args: argparse.Namespace) -> dict:
     """Run the strategies' fast paths forward and backward, recording every kernel launch."""
-    from attnres.ops import triton_fused
-
     from attnres import BlockAttentionResidual, FullAttentionResidual
+    from attnres.ops import triton_fused
 
     launches: dict = {}
     for name in KERNELS:
@@ -114,15 +113,19 @@ def record_launches(args: argparse.Namespace) -> dict:
     return launches
 
 
-def resources(cubin: bytes, cuobjdump: Path) -> dict[str, int]:
-    """REG, STACK (bytes of spill stack per thread) and SHARED from `cuobjdump -res-usage`."""
+def cuobjdump(tool: Path, cubin: bytes, *flags: str) -> str:
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+        return subprocess.run([str(tool), *flags, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    fields = dict(w.split(":", 1) for w in out.stdout.split() if w.split(":", 1)[0] in ("REG", "STACK", "SHARED"))
+
+
+def resources(cubin: bytes, tool: Path) -> dict[str, int]:
+    """REG, STACK (bytes of spill stack per thread) and SHARED from `cuobjdump -res-usage`."""
+    words = cuobjdump(tool, cubin, "--dump-resource-usage").split()
+    fields = dict(w.split(":", 1) for w in words if w.split(":", 1)[0] in ("REG", "STACK", "SHARED"))
     return {k: int(v) for k, v in fields.items()}
 
 
@@ -145,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         from triton.runtime.driver import driver
     except ImportError:
         raise SystemExit("error: needs triton with its CUDA backend: pip install 'attnres[triton]'") from None
-    cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        raise SystemExit(f"error: {cuobjdump} not found; this triton wheel ships no CUDA binutils")
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not tool.exists():
+        raise SystemExit(f"error: {tool} not found; this triton wheel ships no CUDA binutils")
     driver.set_active(_Target(args.arch))
 
     launches = record_launches(args)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         compiled = fn.warmup(*fargs, grid=grid, **kwargs)
         seconds = time.perf_counter() - t0
-        res = resources(compiled.asm["cubin"], cuobjdump)
+        res = resources(compiled.asm["cubin"], tool)
         spilled += res["STACK"] > 0
         worst = max(worst, res["STACK"])
         if args.dump is not None:
@@ -170,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             stem = args.dump / f"{number:02d}{name}-n{n_src}"
             stem.with_suffix(".ptx").write_text(compiled.asm["ptx"])
             stem.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
-            sass = subprocess.run([str(cuobjdump), "-sass", "/dev/stdin"], input=compiled.asm["cubin"],
-                                  capture_output=True, check=False)
-            stem.with_suffix(".sass").write_bytes(sass.stdout)
+            stem.with_suffix(".sass").write_text(cuobjdump(tool, compiled.asm["cubin"], "-sass"))
         warps = kwargs.get("num_warps", 4)
         occupancy = warps_per_sm(res["REG"], warps, res["SHARED"])
         print(f"{name:<16}{n_src:>8}{kwargs.get('K', 1):>3}{str(kwargs.get('HAS_PREFIX', '-')):>7}"

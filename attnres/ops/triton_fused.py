@@ -5,15 +5,25 @@ backward formulas); imported only when a kernel is asked for "triton", so `impor
 never imports triton.
 
 - `_fwd_kernel`: one program per BLOCK_M tokens holds whole rows (D padded to a power of
-  two, any D up to 16384). For each source it loads v once, takes r = 1 / rms(v) (overflow
-  safe: the row is scaled by max(1, max|v|) in registers, for free) or reads a cached r,
-  forms the logits of up to 4 queries at once and updates an online softmax
-  (running max, sum and float32 accumulator per query). It writes the outputs, the logits z
-  and the log-sum-exp lse; a "prefix" (a phase-1 result with its lse) starts the softmax.
+  two, any D up to 16384; `attnres.functional` picks these kernels automatically up to 8192,
+  where no variant spills). It loops over the sources at run time, loading the next
+  source's tile while it works on this one; for each it takes r = 1 / rms(v) (overflow safe:
+  the row is scaled by max(1, max|v|) in registers, for free) or reads a cached r, forms the
+  logits of up to 4 queries at once and updates an online softmax (running max, sum and
+  float32 accumulator per query). It writes the outputs, the logits z and the log-sum-exp
+  lse; a "prefix" (a phase-1 result with its lse) starts the softmax.
 - `_bwd_kernel`: recomputes everything from the sources and the saved z, lse and r; a
   persistent grid accumulates the query gradient per program (summed on the host, so it is
   deterministic). Without a prefix it reads the sources twice (the first pass finds
   P_k = dO_k . out_k); with a prefix P_k comes from the saved output and one pass suffices.
+- Why a runtime loop: the sources arrive as a tuple of pointers, which Triton indexes only at
+  compile time, so an unrolled loop was the obvious form; but ptxas then keeps every
+  source's tile live (it sinks the softmax updates past later loads), and registers, spills
+  and compile time grew with the source count (Full AttnRes at 24 sublayers: 7 KB of spill
+  per thread, 48 s to compile one variant). `_pick` selects a source's pointer by a chain of
+  scalar selects instead, and tuples are padded to a power of two, so one compiled variant
+  serves every count up to it. `experiments/kernel_resources.py` compiles every variant for
+  sm_90 without a GPU and reports registers and spills; a test holds them.
 - `torch.library.custom_op` registrations (`attnres::depth_attention_fwd`/`_bwd`,
   `attnres::inv_rms`) with fake implementations and `register_autograd`, so torch.compile
   keeps them as single graph nodes instead of breaking the graph.
@@ -60,16 +70,22 @@ def _launch_shape(d: int, kc: int) -> tuple[int, int, int, int]:
 
 # ------------------------------------------------------------------------------------------------
 # kernels
+#
+# Every tile is 3-D, (queries, tokens, D), and a source's tile is loaded as (1, BLOCK_M, BLOCK_D):
+# loads, products with the (KP, 1, BLOCK_D) queries and reductions then share one layout, and
+# Triton converts no tile between layouts inside the loops (2-D loads broadcast into 3-D math made
+# Triton 3.6 shuffle every tile through shared memory, and spill 6 KB per thread). A source's statistics are (1, BLOCK_M), the
+# logits and softmax state (KP, BLOCK_M).
 # ------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _row_inv_rms(v, D, eps):
-    """1 / sqrt(mean(v^2) + eps) per row of v (BLOCK_M, BLOCK_D) float32, padded with zeros;
-    rows scaled by c = max(1, max|v|) so the squares cannot overflow."""
-    c = tl.maximum(tl.max(tl.abs(v), axis=1), 1.0)
-    u = v / c[:, None]
-    return 1.0 / (tl.sqrt(tl.sum(u * u, axis=1) / D + eps / c / c) * c)  # eps / c^2 without overflow
+    """1 / sqrt(mean(v^2) + eps) per token of v (1, BM, BD) float32, padded with zeros, as
+    (1, BM); rows scaled by c = max(1, max|v|) so the squares cannot overflow."""
+    c = tl.maximum(tl.max(tl.abs(v), axis=2), 1.0)
+    u = v / c[:, :, None]
+    return 1.0 / (tl.sqrt(tl.sum(u * u, axis=2) / D + eps / c / c) * c)  # eps / c^2 without overflow
 
 
 @triton.jit
@@ -83,22 +99,28 @@ def _pick(ptrs, i):
 
 
 @triton.jit
-def _load_next(srcs, i, n_src, offs, mask, cols, D):
-    """Source i + 1's tile (BM, BD) in its own dtype, masked off entirely after the last
+def _load_next(srcs, i, n_src, offs, mask, c3, D):
+    """Source i + 1's tile (1, BM, BD) in its own dtype, masked off entirely after the last
     source. (n_src - 1 - i) * D >= D > every valid column while a source follows, and 0 after
     the last: integer arithmetic, which the interpreter takes as a mask (a scalar bool not)."""
-    more = cols[None, :] < (n_src - 1 - i) * D
+    more = c3 < (n_src - 1 - i) * D
     return tl.load(_pick(srcs, i + 1) + offs, mask=mask & more, other=0.0)
 
 
 @triton.jit
+def _tiles(M, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, row0):
+    """Rows (BM,) from row0, and the (1, BM, BD) element offsets and mask of their tile."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r3 = rows[None, :, None]
+    c3 = tl.arange(0, BLOCK_D)[None, None, :]
+    return rows, r3.to(tl.int64) * D + c3, (r3 < M) & (c3 < D)
+
+
+@triton.jit
 def _inv_rms_kernel(x_ptr, r_ptr, M, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(r_ptr + rows, _row_inv_rms(v, D, eps), mask=row_ok)
+    rows, offs, mask = _tiles(M, D, BLOCK_M, BLOCK_D, tl.program_id(0) * BLOCK_M)
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(r_ptr + rows[None, :], _row_inv_rms(v, D, eps), mask=rows[None, :] < M)
 
 
 @triton.jit(do_not_specialize=["n_src"])
@@ -108,45 +130,45 @@ def _fwd_kernel(
     K: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
     HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-    cols = tl.arange(0, BLOCK_D)
+    rows, offs, mask = _tiles(M, D, BLOCK_M, BLOCK_D, tl.program_id(0) * BLOCK_M)
+    c3 = tl.arange(0, BLOCK_D)[None, None, :]
     ks = tl.arange(0, KP)
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols[None, :] < D)  # (BM, BD)
-    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-    k_ok = ks < K
-    q = tl.load(q_ptr + ks[:, None] * D + cols[None, :], mask=k_ok[:, None] & (cols[None, :] < D), other=0.0)
-    q = q.to(tl.float32)  # (KP, BD)
-    zmask = k_ok[:, None] & row_ok[None, :]  # (KP, BM)
+    k3 = ks[:, None, None]
+    q = tl.load(q_ptr + k3 * D + c3, mask=(k3 < K) & (c3 < D), other=0.0).to(tl.float32)  # (KP, 1, BD)
+    rmask = rows[None, :] < M  # (1, BM)
+    zmask = (ks[:, None] < K) & rmask  # (KP, BM)
     if HAS_PREFIX:  # K == 1: the softmax starts from a phase-1 result and its log-sum-exp
         m = tl.load(pre_lse + ks[:, None] * M + rows[None, :], mask=zmask, other=0.0)
         l_sum = tl.full([KP, BLOCK_M], 1.0, tl.float32)
-        acc = tl.load(pre_h[0] + offs, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+        acc = tl.load(pre_h[0] + offs, mask=mask, other=0.0).to(tl.float32)  # (1, BM, BD)
     else:
         m = tl.full([KP, BLOCK_M], float("-inf"), tl.float32)
         l_sum = tl.zeros([KP, BLOCK_M], tl.float32)
         acc = tl.zeros([KP, BLOCK_M, BLOCK_D], tl.float32)
     nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
     for i in range(n_src):  # a runtime loop, the next source's tile loading during this one
-        v = nxt.to(tl.float32)  # (BM, BD)
-        nxt = _load_next(srcs, i, n_src, offs, mask, cols, D)
+        v = nxt.to(tl.float32)  # (1, BM, BD)
+        nxt = _load_next(srcs, i, n_src, offs, mask, c3, D)
         if HAS_RMS:
-            r = tl.load(r_in + i * M + rows, mask=row_ok, other=1.0)
+            r = tl.load(r_in + i * M + rows[None, :], mask=rmask, other=1.0)  # (1, BM)
         else:
             r = _row_inv_rms(v, D, eps)  # kept for the backward
-            tl.store(r_out + i * M + rows, r, mask=row_ok)
-        z = tl.sum(v[None, :, :] * q[:, None, :], axis=2) * r[None, :]  # (KP, BM)
+            tl.store(r_out + i * M + rows[None, :], r, mask=rmask)
+        z = tl.sum(v * q, axis=2) * r  # (KP, BM)
         tl.store(z_ptr + (ks[:, None] * n_src + i) * M + rows[None, :], z, mask=zmask)
         m_new = tl.maximum(m, z)
         scale = tl.exp(m - m_new)
         p = tl.exp(z - m_new)
         l_sum = l_sum * scale + p
-        acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
+        acc = acc * scale[:, :, None] + p[:, :, None] * v
         m = m_new
     tl.store(lse_ptr + ks[:, None] * M + rows[None, :], m + tl.log(l_sum), mask=zmask)
-    out = acc / l_sum[:, :, None]
+    out = acc / l_sum[:, :, None]  # (KP, BM, BD)
     for k in tl.static_range(K):
-        o = tl.sum(tl.where((ks == k)[:, None, None], out, 0.0), axis=0)
+        if KP == 1:
+            o = out
+        else:
+            o = tl.sum(tl.where(k3 == k, out, 0.0), axis=0, keep_dims=True)  # (1, BM, BD)
         tl.store(outs[k] + offs, o.to(outs[k].dtype.element_ty), mask=mask)
 
 
@@ -159,24 +181,24 @@ def _bwd_kernel(
     HAS_DLSE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid, nprog = tl.program_id(0), tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < D
+    c3 = tl.arange(0, BLOCK_D)[None, None, :]
     ks = tl.arange(0, KP)
-    k_ok = ks < K
-    q = tl.load(q_ptr + ks[:, None] * D + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-    q = q.to(tl.float32)  # (KP, BD)
-    dq = tl.zeros([KP, BLOCK_D], tl.float32)
+    k3 = ks[:, None, None]
+    qmask = (k3 < K) & (c3 < D)
+    q = tl.load(q_ptr + k3 * D + c3, mask=qmask, other=0.0).to(tl.float32)  # (KP, 1, BD)
+    dq = tl.zeros([KP, 1, BLOCK_D], tl.float32)
     for blk in range(pid, n_blocks, nprog):
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-        zmask = k_ok[:, None] & row_ok[None, :]
+        rows, offs, mask = _tiles(M, D, BLOCK_M, BLOCK_D, blk * BLOCK_M)
+        rmask = rows[None, :] < M  # (1, BM)
+        zmask = (ks[:, None] < K) & rmask  # (KP, BM)
         kz = ks[:, None] * M + rows[None, :]  # (KP, BM) offsets into (K, M) statistics
-        d_o = tl.zeros([KP, BLOCK_M, BLOCK_D], tl.float32)
-        for k in tl.static_range(K):
-            dok = tl.load(d_outs[k] + offs, mask=mask, other=0.0).to(tl.float32)
-            d_o = tl.where((ks == k)[:, None, None], dok[None, :, :], d_o)
+        if KP == 1:
+            d_o = tl.load(d_outs[0] + offs, mask=mask, other=0.0).to(tl.float32)  # (1, BM, BD)
+        else:
+            d_o = tl.zeros([KP, BLOCK_M, BLOCK_D], tl.float32)
+            for k in tl.static_range(K):
+                dok = tl.load(d_outs[k] + offs, mask=mask, other=0.0).to(tl.float32)
+                d_o = tl.where(k3 == k, dok, d_o)
         lse = tl.load(lse_ptr + kz, mask=zmask, other=0.0)
         if HAS_DLSE:
             dlse = tl.load(dlse_ptr + kz, mask=zmask, other=0.0)
@@ -184,43 +206,43 @@ def _bwd_kernel(
             dlse = tl.zeros([KP, BLOCK_M], tl.float32)
         if HAS_PREFIX:  # P = dO . out from the saved output (K == 1)
             o = tl.load(outs[0] + offs, mask=mask, other=0.0).to(tl.float32)
-            P = tl.sum(d_o * o[None, :, :], axis=2)
+            P = tl.sum(d_o * o, axis=2)
         else:  # first pass: P = sum_i alpha_i dO . v_i
             P = tl.zeros([KP, BLOCK_M], tl.float32)
             nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
             for i in range(n_src):
                 v = nxt.to(tl.float32)
-                nxt = _load_next(srcs, i, n_src, offs, mask, cols, D)
+                nxt = _load_next(srcs, i, n_src, offs, mask, c3, D)
                 z = tl.load(z_ptr + (ks[:, None] * n_src + i) * M + rows[None, :], mask=zmask, other=0.0)
-                P += tl.exp(z - lse) * tl.sum(d_o * v[None, :, :], axis=2)
+                P += tl.exp(z - lse) * tl.sum(d_o * v, axis=2)
         ag = tl.zeros([KP, BLOCK_M], tl.float32)
         nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
         for i in range(n_src):
-            v = nxt.to(tl.float32)
-            nxt = _load_next(srcs, i, n_src, offs, mask, cols, D)
-            r = tl.load(r_ptr + i * M + rows, mask=row_ok, other=0.0)
+            v = nxt.to(tl.float32)  # (1, BM, BD)
+            nxt = _load_next(srcs, i, n_src, offs, mask, c3, D)
+            r = tl.load(r_ptr + i * M + rows[None, :], mask=rmask, other=0.0)  # (1, BM)
             zoff = (ks[:, None] * n_src + i) * M + rows[None, :]
             z = tl.load(z_ptr + zoff, mask=zmask, other=0.0)
             alpha = tl.where(zmask, tl.exp(z - lse), 0.0)  # (KP, BM)
-            g = tl.sum(d_o * v[None, :, :], axis=2)
+            g = tl.sum(d_o * v, axis=2)
             ag += alpha * g
             dz = alpha * (g - P + dlse)
             if HAS_DZ:
                 dz += tl.load(dz_ptr + zoff, mask=zmask, other=0.0)
-            dzr = dz * r[None, :]
-            c = -tl.sum(dz * z, axis=0) * r * r / D  # (BM,): the derivative through r
-            dv = tl.sum(alpha[:, :, None] * d_o + dzr[:, :, None] * q[:, None, :], axis=0) + c[:, None] * v
+            dzr = dz * r
+            c = -tl.sum(dz * z, axis=0, keep_dims=True) * r * r / D  # (1, BM): the derivative through r
+            dv = tl.sum(alpha[:, :, None] * d_o + dzr[:, :, None] * q, axis=0, keep_dims=True) + c[:, :, None] * v
             d_src = _pick(d_srcs, i)
             if ACCUMULATE:
                 dv += tl.load(d_src + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(d_src + offs, dv.to(d_src.dtype.element_ty), mask=mask)
-            dq += tl.sum(dzr[:, :, None] * v[None, :, :], axis=1)
+            dq += tl.sum(dzr[:, :, None] * v, axis=1, keep_dims=True)  # (KP, 1, BD)
         if HAS_PREFIX:
             a_pre = tl.exp(tl.load(pre_lse + kz, mask=zmask, other=0.0) - lse)
             tl.store(d_pre_lse + kz, P - ag - a_pre * P + a_pre * dlse, mask=zmask)
-            dh = tl.sum(a_pre[:, :, None] * d_o, axis=0)
+            dh = a_pre[:, :, None] * d_o  # (1, BM, BD): K == 1
             tl.store(d_pre_h[0] + offs, dh.to(d_pre_h[0].dtype.element_ty), mask=mask)
-    tl.store(dq_ptr + (pid * K + ks[:, None]) * D + cols[None, :], dq, mask=k_ok[:, None] & col_ok[None, :])
+    tl.store(dq_ptr + (pid * K + k3) * D + c3, dq, mask=qmask)
 
 
 # ------------------------------------------------------------------------------------------------
