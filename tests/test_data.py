@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 import time
 from collections import Counter
@@ -247,6 +248,21 @@ def test_interrupted_build_leaves_nothing(corpus_dir, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         text_module(corpus_dir, tmp_path / "cache").prepare_data()
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_killed_build_temps_are_swept_and_live_ones_kept(corpus_dir, tmp_path):
+    """SIGKILL skips cleanup: the next build removes temporary files nobody has written to for
+    an hour, and leaves a fresh one (another process may be building right now)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale, live = cache / ".text-old.abc.tmp", cache / ".text-new.def.tmp"
+    for f in (stale, live):
+        f.write_bytes(b"partial")
+    hours_ago = time.time() - corpus.STALE_TEMP_S - 60
+    os.utime(stale, (hours_ago, hours_ago))
+    text_module(corpus_dir, cache).prepare_data()
+    assert not stale.exists() and live.exists()
+    assert len(list(cache.glob("*.u8"))) == 2
 
 
 def test_unigram_baseline_matches_an_independent_computation(corpus_dir, tmp_path):

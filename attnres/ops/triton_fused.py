@@ -74,8 +74,8 @@ def _launch_shape(d: int, kc: int) -> tuple[int, int, int, int]:
 # Every tile is 3-D, (queries, tokens, D), and a source's tile is loaded as (1, BLOCK_M, BLOCK_D):
 # loads, products with the (KP, 1, BLOCK_D) queries and reductions then share one layout, and
 # Triton converts no tile between layouts inside the loops (2-D loads broadcast into 3-D math made
-# Triton 3.6 shuffle every tile through shared memory, and spill 6 KB per thread). A source's statistics are (1, BLOCK_M), the
-# logits and softmax state (KP, BLOCK_M).
+# Triton 3.6 shuffle every tile through shared memory, and spill 6 KB per thread). A source's
+# statistics are (1, BLOCK_M), the logits and softmax state (KP, BLOCK_M).
 # ------------------------------------------------------------------------------------------------
 
 

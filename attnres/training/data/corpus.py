@@ -29,6 +29,7 @@ CACHE_VERSION = 1
 SEPARATOR = b"\n\n"  # between two files of the same split
 CHUNK = 1 << 20  # bytes per read while copying
 PROGRESS_EVERY = 256 << 20  # log progress every this many bytes
+STALE_TEMP_S = 3600  # a build's temporary file untouched this long was left by a killed process
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,20 @@ def _copy_utf8(src: str, dst, start: int = 0, stop: int | None = None) -> bool:
         return False
 
 
+def remove_stale_temps(cache_dir: Path) -> None:
+    """Delete temporary files of builds that were killed (SIGKILL skips their cleanup): any
+    `.*.tmp` not written to for STALE_TEMP_S. A live build writes continuously, so its files
+    stay fresh and are left alone."""
+    cutoff = time.time() - STALE_TEMP_S
+    for tmp in cache_dir.glob(".*.tmp"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+                log.info("removed %s, left by an interrupted cache build", tmp)
+        except FileNotFoundError:  # another process removed it first
+            pass
+
+
 def build_cache(
     root: str,
     files: list[SourceFile],
@@ -129,6 +144,7 @@ def build_cache(
         return train_path, val_path
 
     cache_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(cache_dir)
     total = sum(f.size for f in files)
     log.info("building %s byte cache: %d files, %.1f MB from %s", name, len(files), total / 1e6, root)
     t0, copied, next_report, skipped = time.perf_counter(), 0, PROGRESS_EVERY, []
