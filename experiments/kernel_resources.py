@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategies", default="block,full", help="comma-separated subset of block,full")
     p.add_argument("--max-spill", type=int, default=None, metavar="BYTES",
                    help="exit 1 if a variant spills more than BYTES per thread (0: any spill)")
-    p.add_argument("--dump", type=Path, default=None, metavar="DIR", help="write each variant's PTX and SASS here")
+    p.add_argument("--dump", type=Path, default=None, metavar="DIR",
+                   help="write each variant's TTGIR, PTX and SASS here")
     return p.parse_args(argv)
 
 
@@ -155,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     launches = record_launches(args)
     print(f"triton {triton.__version__}, sm_{args.arch}, D {args.d}, {args.dtype}, L {args.sublayers}, "
-          f"N {args.num_blocks}: {len(launches)} kernel variants")
-    header = f"{'kernel':<16}{'sources':>8}{'K':>3}{'prefix':>7}{'BLOCK_M':>8}{'BLOCK_D':>8}{'warps':>6}"
+          f"N {args.num_blocks}: {len(launches)} kernel variants (srcs<=: one variant serves up to that many "
+          "sources; K: queries per launch)")
+    header = f"{'kernel':<16}{'srcs<=':>8}{'K':>3}{'prefix':>7}{'BLOCK_M':>8}{'BLOCK_D':>8}{'warps':>6}"
     print(header + f"{'regs':>6}{'spill B':>8}{'smem B':>8}{'warps/SM':>9}{'compile s':>10}")
     spilled, worst = 0, 0
     for number, ((name, n_src, _), (fn, fargs, kwargs, grid)) in enumerate(
