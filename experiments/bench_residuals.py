@@ -6,7 +6,8 @@ GPU), measures
 
 - train step time: forward + backward + AdamW step,
 - prefill time: a no-grad forward in eval mode,
-- peak memory of both (CUDA max_memory_allocated; not measured on CPU),
+- peak memory of both (CUDA max_memory_allocated; not measured on CPU), and on any device the
+  activations autograd saves for the backward of one train forward,
 
 eager and under torch.compile, and the depth-attention op alone (N + 1 sources, all B*T
 tokens) against its memory-traffic floor. Times are medians of repeated steps after
@@ -198,6 +199,25 @@ class Case:
         with torch.no_grad():
             model(self.idx)
 
+    def saved_bytes(self) -> int:
+        """Bytes autograd keeps for the backward of one eager training forward (each storage
+        counted once, parameters left out): the activations a train step holds at its peak,
+        measurable on any device."""
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        self.model.train()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self.model(self.idx, targets=self.targets)["loss"]
+        del loss
+        return sum(saved.values())
+
     def static_bytes(self) -> int:
         """Parameters and optimizer state: resident between steps, counted in the peak."""
         n = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
@@ -319,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.op_only:
         timer = Timer(dev)
         cases = {name: Case(name, args) for name in args.strategies}
+        results["saved_for_backward_bytes"] = {name: case.saved_bytes() for name, case in cases.items()}
+        save()
         for tag in args.modes:
             compiled = tag == "compiled"
             if compiled:
@@ -365,6 +387,11 @@ def report(results: dict) -> None:
                 value = "n/a" if x is None else (f"{x * 1e3:8.2f} ms" if unit == "ms" else f"{x / 2**30:6.2f} GiB")
                 cells.append(f"{value} {fmt_ratio(x, base.get(key)):>7}")
             print(f"{name:<9}| " + " | ".join(cells))
+    saved = results.get("saved_for_backward_bytes")
+    if saved:
+        base = saved.get("standard")
+        cells = ", ".join(f"{name} {x / 2**20:.1f} MiB ({fmt_ratio(x, base)})" for name, x in saved.items())
+        print(f"\nactivations saved for backward (eager, one train forward): {cells}")
     op = results["op"]
     print(f"\nop: {op['sources']} sources x {op['tokens']} tokens x D {op['D']} {op['dtype']}, floor at "
           f"{op['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s: forward {op['floor_s']['forward'] * 1e6:.1f} us, "
