@@ -143,8 +143,10 @@ def test_op_matches_reference(kernel, device, dtype, S, B, T, D, rel_err, ref_de
 
 @pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float32], [torch.float32, torch.bfloat16]))
 @pytest.mark.parametrize("magnitude", [1e30, 1e-30], ids=["1e30", "1e-30"])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_op_extreme_magnitudes(kernel, device, dtype, magnitude, rel_err, ref_depth_attention):
-    """Squares of 1e30 overflow float32: the statistics rescale rows (naive.py does the same)."""
+    """Squares of 1e30 overflow float32: the statistics rescale rows (naive.py always does; the
+    Triton kernels when the sum of squares comes out infinite, which the interpreter warns of)."""
     srcs, q, g = sources_and_params(3, 1, 4, 16, torch.float64, "cpu", seed=4)
     srcs = [(s.detach() * magnitude).to(device=device, dtype=dtype) for s in srcs]
     q, g = q.detach().float().to(device), g.detach().float().to(device)
@@ -167,7 +169,7 @@ def test_op_extreme_magnitudes(kernel, device, dtype, magnitude, rel_err, ref_de
         pytest.param(3, 3, 1, False, 24, id="n3-K3-extra1-D24"),
         pytest.param(2, 6, 2, True, 24, id="n2-K6-extra2-cached-D24"),  # K > 4: Triton splits the queries
         pytest.param(4, 2, 3, False, 24, id="n4-K2-extra3-D24"),
-        pytest.param(5, 3, 2, False, 1100, id="n5-K3-extra2-D1100"),  # wide rows: 2 queries per Triton launch
+        pytest.param(5, 3, 2, False, 2100, id="n5-K3-extra2-D2100"),  # wide rows: 2 queries per Triton launch
     ],
 )
 @pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64], [torch.float32]))

@@ -7,10 +7,10 @@ never imports triton.
 - `_fwd_kernel`: one program per BLOCK_M tokens holds whole rows (D padded to a power of
   two, any D up to 16384; `attnres.functional` picks these kernels automatically up to 8192,
   where no variant spills). It loops over the sources at run time, loading the next
-  source's tile while it works on this one; for each it takes r = 1 / rms(v) (overflow safe:
-  the row is scaled by max(1, max|v|) in registers, for free) or reads a cached r, forms the
-  logits of up to 4 queries at once and updates an online softmax (running max, sum and
-  float32 accumulator per query). It writes the outputs, the logits z and the log-sum-exp
+  source's tile while it works on this one; for each it takes r = 1 / rms(v) (overflow
+  safe: where the squares overflow, rows are scaled by max(1, max|v|) first) or reads a
+  cached r, forms the logits of up to 4 queries at once and updates an online softmax
+  (running max, sum and float32 accumulator per query). It writes the outputs, the logits z and the log-sum-exp
   lse; a "prefix" (a phase-1 result with its lse) starts the softmax.
 - `_bwd_kernel`: recomputes everything from the sources and the saved z, lse and r; a
   persistent grid accumulates the query gradient per program (summed on the host, so it is
@@ -21,9 +21,10 @@ never imports triton.
   source's tile live (it sinks the softmax updates past later loads), and registers, spills
   and compile time grew with the source count (Full AttnRes at 24 sublayers: 7 KB of spill
   per thread, 48 s to compile one variant). `_pick` selects a source's pointer by a chain of
-  scalar selects instead, and tuples are padded to a power of two, so one compiled variant
-  serves every count up to it. `experiments/kernel_resources.py` compiles every variant for
-  sm_90 without a GPU and reports registers and spills; a test holds them.
+  scalar selects instead (about 4 instructions per candidate, so tuples are not padded).
+  `experiments/kernel_resources.py` compiles every variant for sm_90 without a GPU and
+  reports registers, spills and the instructions the loops issue per byte; a test holds the
+  spills.
 - `torch.library.custom_op` registrations (`attnres::depth_attention_fwd`/`_bwd`,
   `attnres::inv_rms`) with fake implementations and `register_autograd`, so torch.compile
   keeps them as single graph nodes instead of breaking the graph.
@@ -47,24 +48,32 @@ __all__ = ["fused_depth_attention", "inv_rms", "run_depth_attention"]
 
 MAX_K = 4  # queries served by one launch at most; more are split into several launches
 _MAX_BLOCK_D = 16384
-_PER_THREAD = 8  # float32 elements of a (queries x tokens x D) tile held by one thread
+
+
+def _row_elems(block_d: int, kp: int) -> int:
+    """Elements of a source's (BLOCK_M, BLOCK_D) tile per thread. Each element costs a few
+    instructions per query, each loop iteration a fixed overhead (reductions, softmax, the
+    pointer select): 16 amortises the overhead for one query, 8 keeps the (queries x 8)
+    accumulator in registers for several; more where 16 warps cannot cover a row with that."""
+    return max(16 if kp == 1 else 8, block_d // (32 * 16))
 
 
 def _queries_per_launch(d: int) -> int:
-    """Up to MAX_K queries per launch, fewer for wide rows (the (queries, D) tile must fit)."""
-    return max(1, min(MAX_K, 32 * 16 * _PER_THREAD // triton.next_power_of_2(d)))
+    """Up to MAX_K queries per launch, fewer for wide rows (16 warps, hence at most 128
+    registers per thread, cover a row of 4096; the backward's per-query tiles must fit)."""
+    return max(1, min(MAX_K, 8192 // triton.next_power_of_2(d)))
 
 
 def _launch_shape(d: int, kc: int) -> tuple[int, int, int, int]:
-    """BLOCK_D, KP (queries padded to a power of two), BLOCK_M and num_warps for D and kc queries:
-    about _PER_THREAD float32 elements of the (KP, BLOCK_M, BLOCK_D) tile per thread, so no
-    variant spills registers and many warps fit on an SM (experiments/kernel_resources.py)."""
+    """BLOCK_D, KP (queries padded to a power of two), BLOCK_M and num_warps for D and kc queries
+    (experiments/kernel_resources.py reports what they compile to)."""
     block_d = triton.next_power_of_2(d)
     if block_d > _MAX_BLOCK_D:
         raise ValueError(f"the Triton depth-attention kernels support D <= {_MAX_BLOCK_D}, got D={d}")
     kp = triton.next_power_of_2(kc)
-    num_warps = max(4, min(16, kp * block_d // (32 * _PER_THREAD)))
-    block_m = max(1, min(16, _PER_THREAD * 32 * num_warps // (kp * block_d)))
+    elems = _row_elems(block_d, kp)
+    num_warps = max(4, min(16, block_d // (32 * elems)))
+    block_m = max(1, min(16, elems * 32 * num_warps // block_d))
     return block_d, kp, block_m, num_warps
 
 
@@ -82,10 +91,17 @@ def _launch_shape(d: int, kc: int) -> tuple[int, int, int, int]:
 @triton.jit
 def _row_inv_rms(v, D, eps):
     """1 / sqrt(mean(v^2) + eps) per token of v (1, BM, BD) float32, padded with zeros, as
-    (1, BM); rows scaled by c = max(1, max|v|) so the squares cannot overflow."""
-    c = tl.maximum(tl.max(tl.abs(v), axis=2), 1.0)
-    u = v / c[:, :, None]
-    return 1.0 / (tl.sqrt(tl.sum(u * u, axis=2) / D + eps / c / c) * c)  # eps / c^2 without overflow
+    (1, BM). Squares overflow float32 only for |v| above ~1e19; then, and only then, rows are
+    scaled by c = max(1, max|v|) first (as naive.py always does), so the common case costs one
+    product and one sum per element."""
+    ss = tl.sum(v * v, axis=2)
+    if tl.max(ss) == float("inf"):
+        inv_c = 1.0 / tl.maximum(tl.max(tl.abs(v), axis=2), 1.0)
+        u = v * inv_c[:, :, None]
+        r = inv_c / tl.sqrt(tl.sum(u * u, axis=2) / D + eps * inv_c * inv_c)  # eps / c^2 without overflow
+    else:
+        r = 1.0 / tl.sqrt(ss / D + eps)
+    return r
 
 
 @triton.jit
@@ -254,12 +270,6 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _padded(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    """`ts` padded to a power-of-two count by repeating the first: one compiled kernel serves
-    every source count up to that (the kernels loop over the first n_src at run time)."""
-    return (*ts, *(ts[0],) * (triton.next_power_of_2(len(ts)) - len(ts)))
-
-
 def _n_programs(n_blocks: int, num_warps: int, device: torch.device) -> int:
     if device.type == "cuda":  # about 32 resident warps per SM
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -312,7 +322,7 @@ def _fwd_op(
         block_d, kp, block_m, num_warps = _launch_shape(d, kc)
         has_rms = r_cache is not None or k0 > 0  # later chunks reuse the r the first one wrote
         _fwd_kernel[(triton.cdiv(m, block_m),)](
-            _padded(sources), n, r, queries[k0:], pre_h, pre_lse, tuple(outs[k0 : k0 + kc]), z[k0:], lse[k0:], r_new,
+            tuple(sources), n, r, queries[k0:], pre_h, pre_lse, tuple(outs[k0 : k0 + kc]), z[k0:], lse[k0:], r_new,
             m, d, eps,
             K=kc, KP=kp, HAS_RMS=has_rms, HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
         )
@@ -367,11 +377,11 @@ def _bwd_op(
         nprog = _n_programs(n_blocks, num_warps, device)
         dq_part = torch.empty((nprog, kc, d), dtype=torch.float32, device=device)
         _bwd_kernel[(nprog,)](
-            _padded(sources), len(sources), _rows(r), queries[k0:], _rows(z[k0:]), _rows(lse[k0:]),
+            tuple(sources), len(sources), _rows(r), queries[k0:], _rows(z[k0:]), _rows(lse[k0:]),
             _rows(prefix_lse) if has_prefix else lse, tuple(_rows(o) for o in outs) if has_prefix else (first,),
             d_outs[k0 : k0 + kc], _rows(dz_ext[k0:]) if dz_ext is not None else z,
             _rows(dlse[k0:]) if dlse is not None else lse,
-            _padded(d_src), dq_part, tuple(d_pre_h) if has_prefix else (first,), d_pre_lse if has_prefix else lse,
+            tuple(d_src), dq_part, tuple(d_pre_h) if has_prefix else (first,), d_pre_lse if has_prefix else lse,
             m, d, n_blocks,
             K=kc, KP=kp, HAS_PREFIX=has_prefix, HAS_DZ=dz_ext is not None, HAS_DLSE=dlse is not None,
             ACCUMULATE=k0 > 0, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
