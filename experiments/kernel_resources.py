@@ -1,5 +1,6 @@
 """Compile the Triton depth-attention kernels for a CUDA GPU, without one, and report what
-each compiled variant costs: registers per thread, spill stack, shared memory.
+each compiled variant costs: registers per thread, spill stack, shared memory, resident warps,
+and the instructions its loops over sources issue per byte moved.
 
 Runs the Block and Full AttnRes fast paths and the op alone (forward and backward) on tiny CPU
 tensors with kernel="triton", but instead of launching a kernel it records the launch, as the host code
@@ -9,9 +10,10 @@ launch). Each distinct variant is then compiled by Triton for the target archite
 T stays 16 and the width is the real one, so the compiled variants are those a real run
 compiles (Triton specialises on divisibility by 16, not on sizes).
 
-Registers and spills are what a kernel can be tuned on without the GPU: a spilling variant
-goes through local memory and cannot reach the bandwidth floor. Timing still needs the GPU
-(`bench_residuals.py`).
+These are what a kernel can be tuned on without the GPU: a spilling variant goes through local
+memory, and one whose `issue/floor` (see `issue_bound`) is above 1 cannot issue its instructions
+as fast as memory delivers its bytes; neither can reach the bandwidth floor. Timing still needs
+the GPU (`bench_residuals.py`).
 
     python experiments/kernel_resources.py                       # GPT-small: D 768, 24 sublayers, N 8
     python experiments/kernel_resources.py --d 4096 --sublayers 64 --num-blocks 8
