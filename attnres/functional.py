@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from attnres.ops import naive_depth_attention
+from attnres.ops.torch_fused import fold_queries
 
 __all__ = [
     "KERNELS",
@@ -144,14 +145,6 @@ def depth_attention(
 # ------------------------------------------------------------------------------------------------
 # two-phase API (the residual strategies' fast path)
 # ------------------------------------------------------------------------------------------------
-
-
-def fold_queries(pseudo_query: Tensor, norm_weight: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """Queries (..., D) with the key-norm gain folded in, in the statistics dtype of sources of
-    `dtype` (float32 for half inputs): w . RMSNorm(v) = ((g * w) . v) * r."""
-    cd = torch.promote_types(dtype, torch.float32)
-    q = pseudo_query.to(cd)
-    return q if norm_weight is None else q * norm_weight.to(cd)
 
 
 def key_inv_rms(source: Tensor, eps: float = 1e-6, kernel: str = "auto") -> Tensor:

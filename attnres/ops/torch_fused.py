@@ -26,7 +26,7 @@ completed block) is a pure speed-up and needs no gradient path of its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -225,6 +225,23 @@ def run_depth_attention(
     return outs, z, lse
 
 
+def fold_queries(pseudo_query: Tensor, norm_weight: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """Queries (..., D) with the key-norm gain folded in, in the statistics dtype of sources of
+    `dtype` (float32 for half inputs): w . RMSNorm(v) = ((g * w) . v) * r."""
+    cd = compute_dtype(dtype)
+    q = pseudo_query.to(cd)
+    return q if norm_weight is None else q * norm_weight.to(cd)
+
+
+def attend(run: Callable, sources: Sequence[Tensor], pseudo_query: Tensor, norm_weight: Tensor | None, eps: float):
+    """`fused_depth_attention` on a `run_depth_attention` (this module's, or the Triton one): one
+    query, no prefix, the weights as the reference computes them (exactly uniform for equal
+    logits)."""
+    query = fold_queries(pseudo_query, norm_weight, sources[0].dtype)
+    outs, z, _ = run(list(sources), None, query.unsqueeze(0), eps=eps)
+    return outs[0], torch.softmax(z[0], dim=0)
+
+
 def fused_depth_attention(
     sources: Sequence[Tensor],
     pseudo_query: Tensor,
@@ -238,9 +255,4 @@ def fused_depth_attention(
     every token. Inputs are not validated here: `attnres.functional` does that
     once, at the public boundary.
     """
-    cd = compute_dtype(sources[0].dtype)
-    query = pseudo_query.to(cd)
-    if norm_weight is not None:
-        query = query * norm_weight.to(cd)  # fold the key-norm gain into the query
-    outs, z, lse = run_depth_attention(list(sources), None, query.unsqueeze(0), eps=eps)
-    return outs[0], torch.softmax(z[0], dim=0)  # as the reference computes them: exactly uniform for equal logits
+    return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps)

@@ -44,6 +44,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnres.ops.torch_fused import attend
+
 __all__ = ["fused_depth_attention", "inv_rms", "run_depth_attention"]
 
 MAX_K = 4  # queries served by one launch at most; more are split into several launches
@@ -463,8 +465,4 @@ def fused_depth_attention(
     every token. Inputs are not validated here: `attnres.functional` does that
     once, at the public boundary.
     """
-    query = pseudo_query.float()
-    if norm_weight is not None:
-        query = query * norm_weight.float()  # fold the key-norm gain into the query
-    outs, z, lse = run_depth_attention(list(sources), None, query.unsqueeze(0), eps=eps)
-    return outs[0], torch.softmax(z[0], dim=0)  # as the reference computes them: exactly uniform for equal logits
+    return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps)
