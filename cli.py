@@ -30,13 +30,13 @@ from attnres.training.io import AtomicCheckpointIO
 from attnres.training.lit import LitLanguageModel
 from attnres.training.run import (
     check_checkpoint,
-    check_group_choices,
     resolve_precision,
     resume_checkpoint,
     run_child_job,
     user_errors,
     write_summary,
 )
+from attnres.training.validate import check_command_line, validate_config
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 # Lightning 2.6 with torch >= 2.10 warns about its own use of a torch API, once per run,
@@ -47,6 +47,7 @@ logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: n
 
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
+    validate_config(cfg)
     ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite, missing_ok=info.get("multirun"))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -103,8 +104,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--run-job"]:  # a sweep job's own process (see attnres/training/sweep.py)
         sys.exit(run_child_job(Path(sys.argv[2]), train))
     with user_errors():
-        check_group_choices(sys.argv[1:], CONF_DIR)
+        check_command_line(sys.argv[1:], CONF_DIR)
     _hydra_main()
+    sys.exit(sweep.exit_status())  # non-zero when a sweep just ran and some of its jobs did not finish
 
 
 if __name__ == "__main__":

