@@ -157,6 +157,79 @@ def test_op_extreme_magnitudes(kernel, device, dtype, magnitude, rel_err, ref_de
     assert rel_err(h.cpu(), ref_h) < TOL[dtype]
 
 
+# Gaps below each token's largest logit (about 134, where a float32 ulp is 1.5e-5), one kind per
+# token in turn: near saturation twice (the top weight 6e-6 .. 9e-5 below 1, where a rounded
+# log-sum-exp, off by up to 7.6e-6, decides whether recomputed weights sum to 1), then saturated
+# (the top weight 1 to float64 precision, the others underflow to 0 in float32).
+SATURATION_GAPS = ((10.0, 12.0), (10.0, 12.0), (100.0, 120.0))
+# The query and gain gradients of such tokens hinge on the 1e-5 by which the top weight falls short
+# of 1, which float32 resolves to about 6e-8 / 1e-5: on these inputs (20 seeds) the naive reference
+# errs by up to 1.2e-2, the fused paths by up to 1.4e-2, and by 2.4e-2 .. 1.2 with the weights
+# recomputed as exp(z - lse) unnormalised (their source gradients by 5e-5 .. 1e-3).
+NEAR_SATURATION_TOL = {torch.float64: 1e-9, torch.float32: 2e-2, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def saturating_inputs(S, B, T, D, dtype, device, seed, top=134.0):
+    """Sources, a query and a gain (leaves, as `sources_and_params` makes them) whose logits
+    are set: each token's largest is about `top`, the others lie below it by gaps of the kinds
+    above. Built from angles: (q * g) . RMSNorm(v) = lam sqrt(D) cos(u, v) for q * g = lam u
+    with |u| = 1 (up to eps)."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = {"generator": gen, "dtype": torch.float64}
+    u = torch.randn(D, **f64)
+    u = u / u.norm()
+    g = torch.exp(0.3 * torch.randn(D, **f64))  # positive, so q = lam u / g stays finite
+    c_top = 0.9
+    lam = top / (c_top * D**0.5)
+    M = B * T
+    kinds = torch.arange(M) % len(SATURATION_GAPS)
+    lo, hi = (torch.tensor([SATURATION_GAPS[k][j] for k in kinds], dtype=torch.float64) for j in (0, 1))
+    z = torch.full((S, M), top, dtype=torch.float64)
+    z[1:] -= lo + (hi - lo) * torch.rand(S - 1, M, **f64)
+    z = torch.gather(z, 0, torch.argsort(torch.rand(S, M, generator=gen), dim=0))  # the top at any depth
+    cos = c_top * z / top
+    p = torch.randn(S, M, D, **f64)  # unit directions orthogonal to u
+    p = p - (p @ u).unsqueeze(-1) * u
+    p = p / p.norm(dim=-1, keepdim=True)
+    scale = torch.exp(torch.randn(S, M, 1, **f64)) * D**0.5  # RMS about exp(N(0, 1))
+    v = (cos.unsqueeze(-1) * u + (1 - cos.square()).sqrt().unsqueeze(-1) * p) * scale  # (S, M, D)
+    leaf = functools.partial(_leaf, dtype=dtype, device=device)
+    q_dtype = torch.float32 if dtype != torch.float64 else dtype
+    return [leaf(x.view(B, T, D)) for x in v], leaf(lam * u / g, dtype=q_dtype), leaf(g)
+
+
+def assert_saturation(w):
+    """The weights (S, B, T) show the kinds of SATURATION_GAPS, token by token."""
+    short = 1 - w.detach().double().amax(dim=0).flatten().cpu()  # how far the top weight falls short of 1
+    kinds = len(SATURATION_GAPS)
+    assert (short[kinds - 1 :: kinds] == 0).all(), "saturated tokens"
+    for k in range(kinds - 1):
+        assert ((short[k::kinds] > 1e-6) & (short[k::kinds] < 1e-3)).all(), "near-saturated tokens"
+
+
+@pytest.mark.parametrize("kernel,device,dtype", IMPLS)
+def test_op_saturated_softmax(kernel, device, dtype, rel_err, ref_depth_attention):
+    """Logits of ~134, the softmax near saturation or saturated: the forward and the source
+    gradients as exact as the dtype allows, the query and gain gradients as float32 resolves
+    them. The backward recomputes the weights from the saved logits and log-sum-exp; before it
+    renormalised them, the source gradients were 5e-5 .. 9e-5 off (float32, 20 seeds; after,
+    and the naive reference: under 2.1e-6), the query and gain gradients 2.4e-2 .. 5e-1."""
+    S, B, T, D = 3, 2, 32, 16
+    srcs, q, g = saturating_inputs(S, B, T, D, dtype, device, seed=0)
+    h, w = depth_attention(srcs, q, g, kernel=kernel)
+    assert_saturation(w)
+    inputs = [*srcs, q, g]
+    cot = cotangents_for([h, w], seed=1)
+    grads = grads_of([h, w], cot, inputs)
+    ref_inputs = upcast(inputs)
+    ref_h, ref_w = ref_depth_attention(ref_inputs[:S], ref_inputs[S], ref_inputs[S + 1])
+    ref_grads = grads_of([ref_h, ref_w], cot, ref_inputs)
+    tol = TOL[dtype]
+    assert_close(rel_err, [h, w], [ref_h, ref_w], tol, "forward")
+    assert_close(rel_err, grads[:S], ref_grads[:S], tol, "source grad")
+    assert_close(rel_err, grads[S:], ref_grads[S:], NEAR_SATURATION_TOL[dtype], "query and gain grad")
+
+
 # ------------------------------------------------------------------------------------------------
 # the two-phase API: phase 1 (K queries, cached statistics) and phase 2 (merge)
 # ------------------------------------------------------------------------------------------------
@@ -194,18 +267,54 @@ def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached,
     grads = grads_of(outputs, cot, inputs)
 
     ref_inputs = upcast(inputs)
-    ref_srcs, ref_Q, ref_G = ref_inputs[: n + extra], ref_inputs[-2], ref_inputs[-1]
-    ref_hs, ref_accs, ref_lse = [], [], []
-    for k in range(K):
-        ref_hs.append(ref_depth_attention(ref_srcs, ref_Q[k], ref_G[k], eps)[0])
-        ref_accs.append(ref_depth_attention(ref_srcs[:n], ref_Q[k], ref_G[k], eps)[0])
-        keys = torch.stack([v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) for v in ref_srcs[:n]])
-        ref_lse.append(torch.logsumexp((keys * ref_G[k] * ref_Q[k]).sum(-1), dim=0))
-    ref_outputs = [*ref_hs, *ref_accs, torch.stack(ref_lse)]
+    ref_outputs = ref_two_phase(ref_depth_attention, ref_inputs[: n + extra], n, ref_inputs[-2], ref_inputs[-1], eps)
     ref_grads = grads_of(ref_outputs, cot, ref_inputs)
     tol = TOL[dtype]
     assert_close(rel_err, outputs, ref_outputs, tol, "forward")
     assert_close(rel_err, grads, ref_grads, tol, "grad")
+
+
+def ref_two_phase(ref_depth_attention, srcs, n, Q, G, eps):
+    """float64 reference of the two-phase outputs: K results over all sources, K over the first
+    n, and the (K, B, T) log-sum-exp of the logits over the first n."""
+    hs, accs, lses = [], [], []
+    for k in range(Q.shape[0]):
+        hs.append(ref_depth_attention(srcs, Q[k], G[k], eps)[0])
+        accs.append(ref_depth_attention(srcs[:n], Q[k], G[k], eps)[0])
+        keys = torch.stack([v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) for v in srcs[:n]])
+        lses.append(torch.logsumexp((keys * G[k] * Q[k]).sum(-1), dim=0))
+    return [*hs, *accs, torch.stack(lses)]
+
+
+@pytest.mark.parametrize("K", [1, 2], ids=["K1", "K2"])
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64, torch.float32], [torch.float32]))
+def test_two_phase_saturated_softmax(kernel, device, dtype, K, rel_err, ref_depth_attention):
+    """The saturating inputs of `test_op_saturated_softmax` through phase 1 (2 completed
+    sources, K queries: the saturating one and, for K = 2, half of it) and phase 2 (one more
+    source merged in, as a strategy's sublayer does; the backward with a prefix renormalises over
+    the prefix and the sources). Cotangents on the merged results only, as in a model: a
+    cotangent on the log-sum-exp itself would swamp the near-saturated part of the gradients.
+    The completed sources' gradients pass through two softmax backwards, the merge's
+    log-sum-exp gradient being a difference of nearly equal terms: up to 2.8e-5 off in float32
+    (20 seeds), hence 4x the dtype's tolerance; unnormalised, 5e-5 .. 1e-3 and the query and gain
+    gradients (K = 1) 5e-2 .. 4.7e-1."""
+    eps, n = 1e-6, 2
+    srcs, q, g = saturating_inputs(n + 1, 2, 32, 16, dtype, device, seed=2)
+    Q = torch.stack([q.detach() * (1 - 0.5 * k) for k in range(K)]).requires_grad_()
+    G = torch.stack([g.detach()] * K).requires_grad_()
+    queries = fold_queries(Q, G, dtype)
+    accs, lse = completed_attention(srcs[:n], None, queries, eps, kernel)
+    hs = [merge_partial(accs[k], lse[k], srcs[n:], None, queries[k], eps, kernel) for k in range(K)]
+    cot = cotangents_for(hs, seed=3)
+    inputs = [*srcs, Q, G]
+    grads = grads_of(hs, cot, inputs)
+    ref_inputs = upcast(inputs)
+    ref_outputs = ref_two_phase(ref_depth_attention, ref_inputs[: n + 1], n, ref_inputs[-2], ref_inputs[-1], eps)
+    ref_grads = grads_of(ref_outputs[:K], cot, ref_inputs)
+    tol = TOL[dtype]
+    assert_close(rel_err, [*hs, *accs, lse], ref_outputs, tol, "forward")
+    assert_close(rel_err, grads[: n + 1], ref_grads[: n + 1], 4 * tol, "source grad")
+    assert_close(rel_err, grads[n + 1 :], ref_grads[n + 1 :], NEAR_SATURATION_TOL[dtype], "query and gain grad")
 
 
 # ------------------------------------------------------------------------------------------------

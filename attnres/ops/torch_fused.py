@@ -22,6 +22,14 @@ and dlse_k of the log-sum-exp (alpha = softmax over sources, P_k = dO_k . out_k)
 
 The last term of dv_i is the derivative through r_i, so a cached r_i (computed once per
 completed block) is a pure speed-up and needs no gradient path of its own.
+
+The weights are recomputed as exp(z - lse), renormalised (`_weights`): lse rounded to the
+statistics dtype is off by up to half an ulp of itself (7.6e-6 in float32 for |lse| >= 128),
+and every exp(z_i - lse) by that factor, so their sum misses 1 by as much. Where the
+softmax is nearly saturated (top weight 1 - 1e-5, say), P_k and dO_k . v_top then differ
+by that error instead of by the tiny true difference, and dz, hence the query, gain and
+source gradients, went wrong by 10-100x the naive reference's error. Renormalised, the
+weights sum to 1 to float32 rounding, as a softmax's do.
 """
 
 from __future__ import annotations
@@ -64,6 +72,13 @@ def inv_rms(v: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(u.square().mean(dim=-1) + eps / c / c) / c  # eps / c^2 without overflow
 
 
+def _weights(zall: Tensor, lse: Tensor) -> Tensor:
+    """Softmax weights (K, n', M) over axis 1 from the logits (K, n', M) and their rounded
+    log-sum-exp (K, M), renormalised so that they sum to 1 (module docstring)."""
+    alpha = torch.exp(zall - lse.unsqueeze(1))
+    return alpha / alpha.sum(dim=1, keepdim=True)
+
+
 def _rows(v: Tensor, cd: torch.dtype) -> Tensor:
     """(B, T, D) -> (M, D) in the compute dtype; a view for contiguous float32/64 inputs."""
     return v.to(cd).reshape(-1, v.shape[-1])
@@ -90,7 +105,7 @@ def depth_attention_forward(
     z = torch.stack([v @ queries.T for v in vs]).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
     zall = z if prefix_lse is None else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)  # (K, n', M)
     lse = torch.logsumexp(zall, dim=1)  # (K, M)
-    alpha = torch.exp(zall - lse.unsqueeze(1)).unsqueeze(-1)  # (K, n', M, 1)
+    alpha = _weights(zall, lse).unsqueeze(-1)  # (K, n', M, 1)
     values = [_rows(p, cd) for p in prefix_h] if prefix_h else None
     outs = []
     for k in range(K):  # K separate outputs: a sublayer keeping one for backward keeps only that one
@@ -129,7 +144,7 @@ def depth_attention_backward(
     has_prefix = prefix_lse is not None
     z, lse, r = z.reshape(K, n, -1), lse.reshape(K, -1), r.reshape(n, -1)  # (K, n, M), (K, M), (n, M)
     zall = z if not has_prefix else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)
-    alpha = torch.exp(zall - lse.unsqueeze(1))  # (K, n', M)
+    alpha = _weights(zall, lse)  # (K, n', M)
     a_src = alpha[:, 1:] if has_prefix else alpha  # (K, n, M)
     m = lse.shape[-1]
     d_o = [torch.zeros(m, d, dtype=cd, device=queries.device) if g is None else _rows(g, cd) for g in d_outs]

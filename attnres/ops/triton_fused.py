@@ -15,7 +15,9 @@ never imports triton.
 - `_bwd_kernel`: recomputes everything from the sources and the saved z, lse and r; a
   persistent grid accumulates the query gradient per program (summed on the host, so it is
   deterministic). Without a prefix it reads the sources twice (the first pass finds
-  P_k = dO_k . out_k); with a prefix P_k comes from the saved output and one pass suffices.
+  P_k = dO_k . out_k); with a prefix P_k comes from the saved output and one pass over the
+  sources suffices (plus one over the saved logits alone). Either first pass also sums the
+  recomputed exp(z - lse), to renormalise the weights (see torch_fused.py).
 - Why a runtime loop: the sources arrive as a tuple of pointers, which Triton indexes only at
   compile time, so an unrolled loop was the obvious form; but ptxas then keeps every
   source's tile live (it sinks the softmax updates past later loads), and registers, spills
@@ -222,17 +224,29 @@ def _bwd_kernel(
             dlse = tl.load(dlse_ptr + kz, mask=zmask, other=0.0)
         else:
             dlse = tl.zeros([KP, BLOCK_M], tl.float32)
-        if HAS_PREFIX:  # P = dO . out from the saved output (K == 1)
+        # The weights are exp(z - lse) / s, s their sum: lse rounded to float32 is off by up to
+        # half an ulp of itself, and so is the sum of exp(z - lse) off 1 (torch_fused.py's
+        # docstring says what that did to the gradients of a nearly saturated softmax).
+        if HAS_PREFIX:  # P = dO . out from the saved output (K == 1); s from the logits alone
             o = tl.load(outs[0] + offs, mask=mask, other=0.0).to(tl.float32)
             P = tl.sum(d_o * o, axis=2)
-        else:  # first pass: P = sum_i alpha_i dO . v_i
+            s = tl.exp(tl.load(pre_lse + kz, mask=zmask, other=0.0) - lse)
+            for i in range(n_src):
+                z = tl.load(z_ptr + (ks[:, None] * n_src + i) * M + rows[None, :], mask=zmask, other=0.0)
+                s += tl.exp(z - lse)
+        else:  # first pass: P = sum_i alpha_i dO . v_i, and s
             P = tl.zeros([KP, BLOCK_M], tl.float32)
+            s = tl.zeros([KP, BLOCK_M], tl.float32)
             nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
             for i in range(n_src):
                 v = nxt.to(tl.float32)
                 nxt = _load_next(srcs, i, n_src, offs, mask, c3, D)
                 z = tl.load(z_ptr + (ks[:, None] * n_src + i) * M + rows[None, :], mask=zmask, other=0.0)
-                P += tl.exp(z - lse) * tl.sum(d_o * v, axis=2)
+                a = tl.exp(z - lse)
+                P += a * tl.sum(d_o * v, axis=2)
+                s += a
+            P = P / s
+        inv_s = 1.0 / s  # >= 1 / n' (the largest weight's exp(z - lse) is about 1): never 1 / 0
         ag = tl.zeros([KP, BLOCK_M], tl.float32)
         nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
         for i in range(n_src):
@@ -241,7 +255,7 @@ def _bwd_kernel(
             r = tl.load(r_ptr + i * M + rows[None, :], mask=rmask, other=0.0)  # (1, BM)
             zoff = (ks[:, None] * n_src + i) * M + rows[None, :]
             z = tl.load(z_ptr + zoff, mask=zmask, other=0.0)
-            alpha = tl.where(zmask, tl.exp(z - lse), 0.0)  # (KP, BM)
+            alpha = tl.where(zmask, tl.exp(z - lse) * inv_s, 0.0)  # (KP, BM)
             g = tl.sum(d_o * v, axis=2)
             ag += alpha * g
             dz = alpha * (g - P + dlse)
@@ -256,7 +270,7 @@ def _bwd_kernel(
             tl.store(d_src + offs, dv.to(d_src.dtype.element_ty), mask=mask)
             dq += tl.sum(dzr[:, :, None] * v, axis=1, keep_dims=True)  # (KP, 1, BD)
         if HAS_PREFIX:
-            a_pre = tl.exp(tl.load(pre_lse + kz, mask=zmask, other=0.0) - lse)
+            a_pre = tl.exp(tl.load(pre_lse + kz, mask=zmask, other=0.0) - lse) * inv_s
             tl.store(d_pre_lse + kz, P - ag - a_pre * P + a_pre * dlse, mask=zmask)
             dh = a_pre[:, :, None] * d_o  # (1, BM, BD): K == 1
             tl.store(d_pre_h[0] + offs, dh.to(d_pre_h[0].dtype.element_ty), mask=mask)
