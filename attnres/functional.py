@@ -131,7 +131,8 @@ def depth_attention(
 
     `sources`: S >= 1 tensors (B, T, D) of one dtype and device; `pseudo_query`: (D,);
     `norm_weight`: optional (D,) key RMSNorm gain. Returns `(h, weights)` with h (B, T, D)
-    in the sources' dtype and weights (S, B, T) in float32 (float64 for float64 inputs).
+    and weights (S, B, T), both in the sources' dtype: statistics, logits and softmax are
+    float32 (float64 for float64 sources) inside, rounded once at the end.
     `kernel` picks the implementation (module docstring).
     """
     sources = list(sources)
@@ -206,7 +207,8 @@ def full_attn_res(
     `embedding`: (B, T, D); `previous_outputs`: a (layers, B, T, D) tensor or a sequence of
     (B, T, D) tensors (layers may be 0); `pseudo_query`: (D,). No key-norm gain.
     Returns {"retrieved_representation": (B, T, D), "attention_weights": (S, B, T)} with
-    S = layers + 1; the weights sum to 1 per token. `kernel`: see the module docstring.
+    S = layers + 1, both in the input dtype (float32 statistics inside); the weights sum to 1
+    per token. `kernel`: see the module docstring.
     """
     if isinstance(previous_outputs, Tensor):
         if previous_outputs.dim() != 4:
@@ -233,8 +235,8 @@ def block_attn_res(
     `blocks`: the completed blocks, `blocks[0]` being the embedding; `partial_block`: the
     running sum of the current block's outputs, or None when the block has none yet (an
     empty partial sum is left out, never attended to as zeros). Returns h (B, T, D), or
-    `(h, weights)` with weights (S, B, T) when `return_weights`. `kernel`: see the module
-    docstring.
+    `(h, weights)` with weights (S, B, T) when `return_weights`, both in the input dtype.
+    `kernel`: see the module docstring.
     """
     sources = [*blocks] if partial_block is None else [*blocks, partial_block]
     h, weights = depth_attention(sources, pseudo_query, norm_weight, eps, kernel)

@@ -39,6 +39,26 @@ def _ref_depth_attention(sources, query, gain=None, eps=1e-6):
     return (alpha.unsqueeze(-1) * v).sum(dim=0), alpha
 
 
+def _assert_rounded_once(weights: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """`weights` are depth-attention weights of `dtype` inputs as the contract has them: in that
+    dtype, computed with float32 statistics (float64 for float64 inputs) and rounded once, so
+    within half an ulp of `dtype` plus the statistics' own error of the float64 `expected`."""
+    assert weights.dtype == dtype, f"weights are {weights.dtype}, inputs {dtype}"
+    w, e = weights.detach().cpu().to(torch.float64), expected.detach().cpu().to(torch.float64)
+    stat = 1e-12 if dtype == torch.float64 else 1e-5  # relative error of the statistics
+    info = torch.finfo(dtype)
+    bound = (info.eps / 2 + stat) * e.abs() + info.smallest_normal * info.eps  # + the subnormal spacing
+    worst = ((w - e).abs() - bound).max().item()
+    assert worst <= 0, f"weights off the {dtype} rounding of the reference by {worst:.2e} beyond the bound"
+
+
+@pytest.fixture
+def rounded_once():
+    """`rounded_once(weights, expected, dtype)`: the weights are the float64 reference rounded
+    once to the inputs' dtype, to the accuracy of float32 statistics."""
+    return _assert_rounded_once
+
+
 @pytest.fixture
 def rel_err():
     """The relative-error helper: `rel_err(actual, expected) -> float`."""

@@ -8,7 +8,7 @@ Written for clarity and to avoid needless copies: the sources stay a list (never
 stacked into an (S, B, T, D) tensor), each source is normalised exactly once and
 only implicitly -- w . (v * r * g) == (v . (g * w)) * r with r = 1 / rms(v) -- so
 the normalised keys are never materialised. Statistics, logits and the softmax
-are float32 for half-precision inputs; the result has the input dtype.
+are float32 for half-precision inputs; both results have the input dtype.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ def naive_depth_attention(
 ) -> tuple[Tensor, Tensor]:
     """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
 
-    Returns `(h, weights)`: h is (B, T, D) in the sources' dtype, weights is
-    (S, B, T) in float32 (float64 for float64 sources) and sums to 1 over S for
-    every token. Inputs are not validated here: `attnres.functional` does that
-    once, at the public boundary.
+    Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
+    float64 for float64 sources, and rounded once): h is (B, T, D), weights is
+    (S, B, T) and sums to 1 over S for every token (to that dtype's rounding).
+    Inputs are not validated here: `attnres.functional` does that once, at the
+    public boundary.
     """
     compute_dtype = torch.promote_types(sources[0].dtype, torch.float32)
     query = pseudo_query.to(compute_dtype)
@@ -50,4 +51,4 @@ def naive_depth_attention(
     h = weights[0].unsqueeze(-1) * sources[0].to(compute_dtype)
     for alpha, v in zip(weights[1:], sources[1:], strict=True):
         h = h + alpha.unsqueeze(-1) * v.to(compute_dtype)
-    return h.to(sources[0].dtype), weights
+    return h.to(sources[0].dtype), weights.to(sources[0].dtype)

@@ -251,10 +251,10 @@ def fold_queries(pseudo_query: Tensor, norm_weight: Tensor | None, dtype: torch.
 def attend(run: Callable, sources: Sequence[Tensor], pseudo_query: Tensor, norm_weight: Tensor | None, eps: float):
     """`fused_depth_attention` on a `run_depth_attention` (this module's, or the Triton one): one
     query, no prefix, the weights as the reference computes them (exactly uniform for equal
-    logits)."""
+    logits), rounded once to the sources' dtype."""
     query = fold_queries(pseudo_query, norm_weight, sources[0].dtype)
     outs, z, _ = run(list(sources), None, query.unsqueeze(0), eps=eps)
-    return outs[0], torch.softmax(z[0], dim=0)
+    return outs[0], torch.softmax(z[0], dim=0).to(sources[0].dtype)
 
 
 def fused_depth_attention(
@@ -265,9 +265,10 @@ def fused_depth_attention(
 ) -> tuple[Tensor, Tensor]:
     """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
 
-    Returns `(h, weights)`: h is (B, T, D) in the sources' dtype, weights is
-    (S, B, T) in float32 (float64 for float64 sources) and sums to 1 over S for
-    every token. Inputs are not validated here: `attnres.functional` does that
-    once, at the public boundary.
+    Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
+    float64 for float64 sources, and rounded once): h is (B, T, D), weights is
+    (S, B, T) and sums to 1 over S for every token (to that dtype's rounding).
+    Inputs are not validated here: `attnres.functional` does that once, at the
+    public boundary.
     """
     return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps)

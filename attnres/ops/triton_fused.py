@@ -474,9 +474,10 @@ def fused_depth_attention(
 ) -> tuple[Tensor, Tensor]:
     """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
 
-    Returns `(h, weights)`: h is (B, T, D) in the sources' dtype, weights is
-    (S, B, T) in float32 (float64 for float64 sources) and sums to 1 over S for
-    every token. Inputs are not validated here: `attnres.functional` does that
-    once, at the public boundary.
+    Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
+    float64 for float64 sources, and rounded once): h is (B, T, D), weights is
+    (S, B, T) and sums to 1 over S for every token (to that dtype's rounding).
+    Inputs are not validated here: `attnres.functional` does that once, at the
+    public boundary.
     """
     return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps)
