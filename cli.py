@@ -11,6 +11,7 @@ In a source checkout this file sits beside the `attnres` package; in a wheel it 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 import warnings
@@ -22,68 +23,101 @@ import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ProgressBar
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from attnres.training import sweep
+from attnres.training.faults import GracefulStop, NonFiniteLoss, RunEnded, RunLock, clean_stale_tmp, stop_signals
 from attnres.training.io import AtomicCheckpointIO
 from attnres.training.lit import LitLanguageModel
 from attnres.training.run import (
     check_checkpoint,
+    describe_checkpoint,
     resolve_precision,
     resume_checkpoint,
     run_child_job,
+    run_outcome,
+    share_log_file,
     user_errors,
     write_summary,
 )
 from attnres.training.validate import check_command_line, validate_config
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+log = logging.getLogger("attnres")
 # Lightning 2.6 with torch >= 2.10 warns about its own use of a torch API, once per run,
 # and advertises a cloud service at every start; neither is the user's concern
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+# a step skipped by nonfinite.policy=skip|rollback returns None on purpose (and says so in the log)
+warnings.filterwarnings("ignore", message=r".*`training_step` returned `None`")
 logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: not str(r.msg).startswith("💡"))
 
 
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
     validate_config(cfg)
-    ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite, missing_ok=info.get("multirun"))
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    share_log_file()
+    with RunLock(run_dir), stop_signals(GracefulStop()) as stop:
+        clean_stale_tmp(run_dir)
+        ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
+        log.info(f"run folder: {run_dir}" + (f" (resuming from {ckpt})" if ckpt else ""))
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
-    module = LitLanguageModel(
-        model,
-        optimizer=instantiate(cfg.optim.optimizer),
-        schedule=instantiate(cfg.optim.schedule),
-        query_lr_scale=cfg.optim.query_lr_scale,
-        total_steps=cfg.optim.total_steps,
-        compile=cfg.compile,
-        metric=datamodule.metric,
-    )
-    if ckpt:
-        check_checkpoint(ckpt, module)
-    loggers = [instantiate(c) for c in cfg.logger.values()]
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
-    if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
-        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
-    trainer = instantiate(
-        cfg.trainer,
-        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
-        logger=loggers or False,
-        callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
-    )
+        last = run_dir / "checkpoints" / "last.ckpt"
+        datamodule = instantiate(cfg.data)
+        model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
+        module = LitLanguageModel(
+            model,
+            optimizer=instantiate(cfg.optim.optimizer),
+            schedule=instantiate(cfg.optim.schedule),
+            query_lr_scale=cfg.optim.query_lr_scale,
+            total_steps=cfg.optim.total_steps,
+            compile=cfg.compile,
+            metric=datamodule.metric,
+            seed=cfg.seed,
+            nonfinite=OmegaConf.to_container(cfg.nonfinite),
+            rollback_checkpoint=last,
+        )
+        if ckpt:
+            check_checkpoint(ckpt, module)
+        loggers = [instantiate(c) for c in cfg.logger.values()]
+        callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [stop]
+        if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
+            callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+        trainer = instantiate(
+            cfg.trainer,
+            precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
+            logger=loggers or False,
+            callbacks=callbacks,
+            plugins=[AtomicCheckpointIO()],
+        )
 
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
-    if not trainer.fast_dev_run:
-        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
-        trainer.validate(module, datamodule=datamodule, verbose=False)
-    if not trainer.is_global_zero:
-        return {}
-    return write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
+        start = time.perf_counter()
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        except SIGTERMException:  # Lightning's own handler, if the signal came before ours took over
+            stop.received = stop.received or signal.SIGTERM
+        except NonFiniteLoss as err:
+            info = {**info, "error": str(err), "last_checkpoint": describe_checkpoint(last), "resumed_from": ckpt}
+            if trainer.is_global_zero:
+                write_summary(run_dir, trainer, module, time.perf_counter() - start, info, status="failed")
+            raise RunEnded(f"error: {err}; the last good checkpoint is {describe_checkpoint(last)}; "
+                           "see nonfinite.policy (stop, skip, rollback) in README", 1) from err
+        if stop.received and trainer.global_step < (trainer.max_steps or 0):
+            if not trainer.fast_dev_run:
+                trainer.save_checkpoint(last, weights_only=False)
+            info = {**info, "interrupted_by": stop.received.name, "resumed_from": ckpt}
+            if trainer.is_global_zero:
+                write_summary(run_dir, trainer, module, time.perf_counter() - start, info, status="interrupted")
+            raise RunEnded(f"interrupted by {stop.received.name} at step {trainer.global_step}; saved {last}; "
+                           "continue with the same command and resume=true", stop.exit_code)
+        if not trainer.fast_dev_run:
+            trainer.save_checkpoint(last, weights_only=False)
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+        if not trainer.is_global_zero:
+            return {}
+        return write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -96,7 +130,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     if info["multirun"]:
         sweep.run_isolated(cfg, run_dir, info)  # a fresh process on a claimed device; never raises
         return
-    with user_errors():
+    with user_errors(), run_outcome(run_dir):
         train(cfg, run_dir, info)
 
 

@@ -1,12 +1,17 @@
 """Atomic writes: a file is either its previous version or the complete new one, never half.
 
 Every file a run leaves (checkpoints, metrics.json, summaries) is written to a temporary
-file in the same folder, flushed to disk, and renamed over the target.
+file in the same folder, flushed to disk, and renamed over the target. The file gets the
+permissions of any other file the user creates (the umask), not `mkstemp`'s private 0600. A
+write that fails (a full disk) removes its temporary file, leaves the previous version in
+place, and raises an `OSError` that names the file.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -17,18 +22,31 @@ import torch
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+FILE_MODE = _file_mode()
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in DISK_FULL and err.filename is None:
+            raise OSError(err.errno, os.strerror(err.errno), str(path)) from err  # say which file
         raise
 
 
@@ -40,8 +58,21 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
         return {}
 
 
+def finite_json(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None: strict JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def write_json(path: str | os.PathLike, data: Any) -> None:
-    atomic_write(path, lambda f: f.write((json.dumps(data, indent=2, sort_keys=True) + "\n").encode()))
+    """Strict JSON (a non-finite number becomes null), written atomically."""
+    text = json.dumps(finite_json(data), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

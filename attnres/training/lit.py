@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import random
 import resource
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
 from attnres.training.data import exact_match
 from attnres.training.errors import ConfigError
+from attnres.training.faults import NonFiniteLoss
+
+log = logging.getLogger("attnres")
+NONFINITE_POLICIES = ("stop", "skip", "rollback")
 
 LN2 = math.log(2.0)
 
@@ -57,12 +66,48 @@ def parameter_groups(model: nn.Module, query_lr_scale: float) -> list[dict[str, 
     return [g for g in groups if g["params"]]
 
 
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The seed of the random numbers (dropout) used by training step `step` on `rank`: a pure
+    function of its arguments, so a resumed run draws what an uninterrupted one would."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:8], "little") >> 1
+
+
+def rng_states() -> dict[str, Any]:
+    """Every global random state a run touches (saved in checkpoints)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    # plain numbers and tensors only: Lightning loads checkpoints with torch.load(weights_only=True)
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    if "python" in states:
+        random.setstate(states["python"])
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
 class LitLanguageModel(pl.LightningModule):
     """Trains `model` (idx, targets -> {"logits", "loss"}) on `(inputs, targets)` batches.
 
     `optimizer` is a partial optimiser (Hydra `_partial_: true`) taking parameter groups;
     `schedule` a partial `step -> multiplier` taking `total_steps` (default: the trainer's
     `max_steps`). `metric` is "bpb" (bits per byte) or "accuracy" (exact match).
+
+    Random numbers (dropout) of step k come from `step_seed(seed, k, rank)`, so a resumed run is
+    bit-identical to an uninterrupted one. A non-finite loss or gradient norm is handled by
+    `nonfinite["policy"]`: "stop" (raise `NonFiniteLoss` before the optimiser step), "skip" (drop
+    the step) or "rollback" (reload the weights and optimiser state of `rollback_checkpoint`,
+    scale the learning rate by `lr_factor`, and go on with the next batches); "skip" and
+    "rollback" stop after `max_in_a_row` bad steps in a row and "rollback" after `max_rollbacks`.
     """
 
     def __init__(
@@ -74,10 +119,20 @@ class LitLanguageModel(pl.LightningModule):
         total_steps: int | None = None,
         compile: bool = False,
         metric: str = "bpb",
+        seed: int = 0,
+        nonfinite: dict[str, Any] | None = None,
+        rollback_checkpoint: str | Path | None = None,
     ) -> None:
         super().__init__()
         if metric not in ("bpb", "accuracy"):
             raise ValueError(f"metric must be 'bpb' or 'accuracy', got {metric!r}")
+        self.nonfinite = {"policy": "stop", "max_in_a_row": 10, "lr_factor": 0.5, "max_rollbacks": 3,
+                          **(nonfinite or {})}
+        if self.nonfinite["policy"] not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite.policy={self.nonfinite['policy']!r} is not one of "
+                              f"{', '.join(NONFINITE_POLICIES)}; set nonfinite.policy=stop")
+        self.seed, self.rollback_checkpoint = seed, rollback_checkpoint
+        self.skipped_steps, self.rollbacks, self._bad_in_a_row = 0, 0, 0  # the first two are checkpointed
         self.model = model
         self.optimizer_factory, self.schedule_factory = optimizer, schedule
         self.query_lr_scale, self.total_steps, self.metric = query_lr_scale, total_steps, metric
@@ -94,10 +149,13 @@ class LitLanguageModel(pl.LightningModule):
     # -- training ----------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
+        torch.manual_seed(step_seed(self.seed, self.trainer.global_step, self.global_rank))
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         inputs, targets = batch
         loss = self(inputs, targets)["loss"]
+        if not self._all_finite(loss):
+            return self._non_finite("loss")
         self.log("train/loss", loss, prog_bar=True)
         if self.metric == "bpb":
             self.log("train/bpb", loss / LN2)
@@ -117,6 +175,66 @@ class LitLanguageModel(pl.LightningModule):
         self.log("perf/tokens_seen", float(self.tokens_seen))
         for group in self.optimizers().param_groups:
             self.log(f"lr/{group['name']}", group["lr"])
+
+    # -- non-finite losses and gradients ---------------------------------------------------
+    def _all_finite(self, value: Tensor) -> bool:
+        finite = bool(torch.isfinite(value.detach()).all())  # one host sync per step
+        return self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        # the gradient norm is checked before the optimiser step; under a loss scaler (16-mixed)
+        # an overflow is the scaler's to handle, and sharded strategies clip in their own way
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
+        if scaler is None and not sharded:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if not grads:
+                return  # a skipped step (training_step returned None): nothing to check or clip
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            if not self._all_finite(norm):
+                self._non_finite("gradient norm")  # raises, or drops this step's gradients:
+                for p in self.parameters():
+                    p.grad = None  # the optimiser skips parameters without a gradient
+                return
+        self._bad_in_a_row = 0
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def _non_finite(self, what: str) -> None:
+        """Apply the non-finite policy to the step being trained; returns None (skip it) or raises."""
+        step = self.trainer.global_step + 1
+        policy = self.nonfinite["policy"]
+        self._bad_in_a_row += 1
+        if policy == "stop":
+            raise NonFiniteLoss(step, what)
+        if self._bad_in_a_row > self.nonfinite["max_in_a_row"]:
+            raise NonFiniteLoss(step, what, f"{self._bad_in_a_row} steps in a row")
+        if policy == "rollback":
+            self._roll_back(step, what)
+        self.skipped_steps += 1
+        log.warning(f"non-finite {what} at step {step}: step skipped ({policy}; {self.skipped_steps} so far)")
+        return None
+
+    def _roll_back(self, step: int, what: str) -> None:
+        path = self.rollback_checkpoint
+        if path is None or not Path(path).is_file():
+            raise NonFiniteLoss(step, what, "no checkpoint to roll back to yet")
+        if self.rollbacks >= self.nonfinite["max_rollbacks"]:
+            raise NonFiniteLoss(step, what, f"after {self.rollbacks} rollbacks")
+        ckpt = torch.load(path, map_location=self.device, weights_only=False)
+        self.load_state_dict(ckpt["state_dict"])
+        optimizer = self.optimizers().optimizer
+        optimizer.load_state_dict(ckpt["optimizer_states"][0])
+        factor = float(self.nonfinite["lr_factor"])
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:  # base_lrs travel in the scheduler's state: later checkpoints keep the factor
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+        self.rollbacks += 1
+        log.warning(f"non-finite {what} at step {step}: rolled back to {path} (step {ckpt.get('global_step')}), "
+                    f"learning rate x{factor}; training goes on with the next batches")
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(parameter_groups(self.model, self.query_lr_scale))
@@ -163,7 +281,12 @@ class LitLanguageModel(pl.LightningModule):
 
     # -- state ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["attnres"] = {"tokens_seen": self.tokens_seen}
+        checkpoint["attnres"] = {"tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
+                                 "rollbacks": self.rollbacks, "rng": rng_states()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.tokens_seen = int(checkpoint.get("attnres", {}).get("tokens_seen", 0))
+        state = checkpoint.get("attnres", {})
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.skipped_steps, self.rollbacks = int(state.get("skipped_steps", 0)), int(state.get("rollbacks", 0))
+        if "rng" in state:
+            set_rng_states(state["rng"])

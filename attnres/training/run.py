@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -21,8 +22,11 @@ from pytorch_lightning.callbacks import TQDMProgressBar
 
 from attnres.training import naming  # noqa: F401  (registers the run-folder resolver)
 from attnres.training.errors import ConfigError
-from attnres.training.io import write_json
+from attnres.training.faults import RunEnded, clear_previous_run
+from attnres.training.io import DISK_FULL, read_json, write_json
 from attnres.training.lit import peak_memory_bytes
+
+log = logging.getLogger("attnres")
 
 
 @contextlib.contextmanager
@@ -60,30 +64,43 @@ def resolve_precision(precision: Any, accelerator: str) -> Any:
     return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
 
 
-def resume_checkpoint(
-    run_dir: Path, resume: bool, ckpt_path: str | None, overwrite: bool, missing_ok: bool = False
-) -> str | None:
+def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwrite: bool) -> str | None:
     """The checkpoint to continue from, or None for a fresh run; refuses to clobber a run.
 
-    `missing_ok` (sweeps): `resume=true` starts a job afresh when it has no checkpoint yet.
+    Call it holding the run's `RunLock`. A folder "holds a run" when it has `last.ckpt` or a
+    `metrics.json`. `overwrite=true` removes the previous run's checkpoints, events and
+    metrics first (`faults.clear_previous_run`), so nothing of it can be resumed later.
+    `resume=true` on a run that never reached its first checkpoint starts it from scratch
+    and says so: a requeue loop that always passes `resume=true` can restart it.
     """
     last = run_dir / "checkpoints" / "last.ckpt"
+    status = read_json(run_dir / "metrics.json").get("status")
+    if resume and overwrite:
+        raise ConfigError("resume=true and overwrite=true contradict each other; pass only one of them")
     if ckpt_path:
         if not Path(ckpt_path).is_file():
             raise ConfigError(f"ckpt_path={ckpt_path} is not a file; pass the path of a .ckpt written by attnres-run")
+        if overwrite:
+            clear_previous_run(run_dir)
         return str(ckpt_path)
     if resume:
-        if not last.is_file() and missing_ok:
-            return None
-        if not last.is_file():
+        if last.is_file():
+            return str(last)
+        if status == "finished":
             raise ConfigError(
-                f"resume=true but {last} does not exist; run without resume=true to start this run, "
-                "or pass ckpt_path=<file>"
+                f"resume=true but the finished run in {run_dir} has no checkpoints/last.ckpt to continue from; "
+                "pass overwrite=true to train it again, or name=<new name> for a new folder"
             )
-        return str(last)
-    if last.is_file() and not overwrite:
+        log.warning(f"resume=true: {run_dir} has no checkpoint yet (stopped before its first one); "
+                    "starting this run from scratch")
+        return None
+    if overwrite:
+        clear_previous_run(run_dir)
+        return None
+    if last.is_file() or status is not None:
+        held = last if last.is_file() else run_dir / "metrics.json"
         raise ConfigError(
-            f"{run_dir} already holds a run ({last}); pass resume=true to continue it, "
+            f"{run_dir} already holds a run ({held}); pass resume=true to continue it, "
             "overwrite=true to start it again, or name=<new name> for a new folder"
         )
     return None
@@ -142,13 +159,14 @@ def _scalar(value: Any) -> Any:
 
 
 def write_summary(
-    run_dir: Path, trainer: pl.Trainer, module: Any, wall_time_s: float, extra: dict[str, Any]
+    run_dir: Path, trainer: pl.Trainer, module: Any, wall_time_s: float, extra: dict[str, Any],
+    status: str = "finished",
 ) -> dict[str, Any]:
-    """metrics.json: final metrics, parameter counts, tokens seen, wall time and peak memory."""
+    """metrics.json: status, final metrics, parameter counts, tokens seen, wall time and peak memory."""
     metrics = {k: _scalar(v) for k, v in trainer.callback_metrics.items()}
     model = module.model
     summary = {
-        "status": "finished",
+        "status": status,
         "metrics": {k: v for k, v in sorted(metrics.items()) if not k.startswith(("lr/", "perf/"))},
         "tokens_per_sec": module.session_tokens / module.session_train_s if module.session_train_s else None,
         "parameters": model.num_parameters() if hasattr(model, "num_parameters") else None,
@@ -157,12 +175,74 @@ def write_summary(
         ),
         "tokens_seen": module.tokens_seen,
         "steps": trainer.global_step,
+        "skipped_steps": getattr(module, "skipped_steps", 0),
+        "rollbacks": getattr(module, "rollbacks", 0),
         "wall_time_s": round(wall_time_s, 3),
         "peak_memory_bytes": peak_memory_bytes(module.device),
         **extra,
     }
     write_json(run_dir / "metrics.json", summary)
     return summary
+
+
+def describe_checkpoint(path: Path) -> str:
+    """`path (step N)` for the checkpoint a user can go back to, or a note that there is none."""
+    if not path.is_file():
+        return "no checkpoint yet"
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("global_step")
+    except Exception:  # unreadable: say where it is all the same
+        step = None
+    return f"{path} (step {step})" if step is not None else str(path)
+
+
+@contextlib.contextmanager
+def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
+    """How a single run ends for the user: one line on stderr and its exit status for a run that
+    stopped on purpose (`RunEnded`: a signal, a non-finite loss) or on a full disk; any error
+    goes to `attnres.log` with its traceback, the terminal shows what `user_errors` shows."""
+    try:
+        yield
+    except RunEnded as err:
+        log.error(str(err))
+        print(f"attnres-run: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except OSError as err:
+        log_traceback(err)
+        if err.errno not in DISK_FULL or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        where = f" writing {err.filename}" if err.filename else ""
+        kept = ""
+        if run_dir is not None:
+            kept = f"; kept: {describe_checkpoint(run_dir / 'checkpoints' / 'last.ckpt')}"
+        print(f"attnres-run: error: disk full{where}{kept}; free some space, then rerun with resume=true",
+              file=sys.stderr)
+        sys.exit(2)
+    except BaseException as err:
+        log_traceback(err)
+        raise
+
+
+def log_traceback(err: BaseException) -> None:
+    """The error and its traceback into the run's log file (not the terminal)."""
+    if isinstance(err, (SystemExit, KeyboardInterrupt)) and not isinstance(err, RunEnded):
+        return
+    file_log = logging.getLogger("attnres.trace")
+    if not file_log.handlers:
+        file_log.propagate = False
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                file_log.addHandler(handler)
+    file_log.error(f"the run failed: {type(err).__name__}: {err}", exc_info=err)
+
+
+def share_log_file() -> None:
+    """Lightning's own messages go to the run's log file too (Lightning does not propagate them
+    to the root logger, where Hydra puts the file handler)."""
+    lightning = logging.getLogger("pytorch_lightning")
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler not in lightning.handlers:
+            lightning.addHandler(handler)
 
 
 def run_child_job(spec_path: Path, train: Callable[[DictConfig, Path, dict[str, Any]], dict]) -> int:
@@ -181,6 +261,9 @@ def run_child_job(spec_path: Path, train: Callable[[DictConfig, Path, dict[str, 
     try:
         train(OmegaConf.create(spec["config"]), run_dir, info)
         return 0
+    except RunEnded as err:  # interrupted, or stopped on a non-finite loss: metrics.json says so already
+        print(f"attnres-run: {err}", file=sys.stderr)
+        return err.exit_code
     except BaseException as err:  # a job's failure is data for the summary, not a crash of the sweep
         traceback.print_exc()
         message = str(err).splitlines()[0] if str(err) else ""

@@ -1,0 +1,213 @@
+"""What a run does when something goes wrong: signals, non-finite losses, a second process in
+the same folder, leftovers of a killed write, and how each ends (DESIGN.md section 8).
+
+- `RunLock`: one process per run folder (an exclusive `flock`; the kernel frees it when the
+  holder dies, so a killed run never blocks the next one).
+- `clean_stale_tmp`: temporary files an atomic write left when its process was killed.
+- `clear_previous_run`: what `overwrite=true` removes before the new run writes anything.
+- `GracefulStop`: SIGTERM / SIGINT finish the current step, write `last.ckpt`, and end the run
+  as `interrupted` (exit status 143 / 130); a second signal ends the process at once.
+- `NonFiniteLoss` / `RunEnded`: a run that stopped on purpose, with its exit status and the
+  one line the user sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+
+from attnres.training.errors import ConfigError
+
+log = logging.getLogger("attnres")
+
+#: what `overwrite=true` removes from a run folder (Hydra writes `.hydra/` and the log first)
+PREVIOUS_RUN_FILES = ("checkpoints", "tb", "metrics.json", "plots", "slot.json")
+#: exit status of a run stopped by a signal: the shell's convention, 128 + signal number
+SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class RunEnded(Exception):  # noqa: N818  (not an error: the run ended the way the user or the run asked)
+    """The run stopped before its end and said why in metrics.json; `exit_code` for the shell."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class NonFiniteLoss(Exception):  # noqa: N818  (raised to stop training, caught by the runner)
+    """The training loss (or the gradient norm) was not finite at `step` (1-based)."""
+
+    def __init__(self, step: int, what: str = "loss", detail: str = "") -> None:
+        super().__init__(f"non-finite {what} at step {step}" + (f" ({detail})" if detail else ""))
+        self.step, self.what = step, what
+
+
+# -- one process per run folder ---------------------------------------------------------------
+class RunLock:
+    """An exclusive lock on `<run_dir>/.run.lock` for the life of a run; refuses a second run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".run.lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"another attnres-run (pid {holder}) is running in {self.path.parent}; wait for it to end, "
+                "or pass name=<new name> for a new folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock; the file stays (removing it would race a waiter)
+            self.fd = None
+
+
+def clean_stale_tmp(run_dir: Path) -> list[Path]:
+    """Remove the temporary files of atomic writes (`.NAME.*.tmp`) that a killed process left in
+    the run folder and its checkpoints. Call it holding the run's `RunLock`: no live writer then."""
+    removed = []
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if folder.is_dir():
+            for tmp in folder.glob(".*.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                    removed.append(tmp)
+    if removed:
+        log.info(f"removed {len(removed)} temporary file(s) left by an interrupted write in {run_dir}")
+    return removed
+
+
+def clear_previous_run(run_dir: Path) -> list[str]:
+    """`overwrite=true`: remove the previous run's checkpoints, events and metrics, so that nothing
+    of it can be resumed or mistaken for the new run's. Each entry is first renamed aside (one
+    atomic step), so a crash midway never leaves a half-deleted `checkpoints/` under its name."""
+    removed = []
+    for name in PREVIOUS_RUN_FILES:
+        path = run_dir / name
+        if not path.exists():
+            continue
+        aside = run_dir / f".overwritten-{name}-{os.getpid()}-{time.time_ns()}"
+        os.replace(path, aside)
+        if aside.is_dir():
+            shutil.rmtree(aside)
+        else:
+            aside.unlink()
+        removed.append(name)
+    for leftover in run_dir.glob(".overwritten-*"):  # from an overwrite that was itself killed
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    if removed:
+        log.info(f"overwrite=true: removed the previous run's {', '.join(removed)} from {run_dir}")
+    return removed
+
+
+# -- signals ------------------------------------------------------------------------------------
+class GracefulStop(pl.Callback):
+    """SIGTERM and SIGINT stop training after the current step (or the validation under way).
+
+    The runner then writes `last.ckpt` and ends the run as `interrupted`. A second signal
+    ends the process at once (the last checkpoint on disk stays whole: writes are atomic).
+    Lightning installs its own SIGTERM handler when fit starts (its loops would then exit with
+    status 0): this one is installed again at `on_train_start`, after Lightning's, and replaces it.
+    """
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # the second one: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signal.Signals(signum)
+        log.warning(f"received {self.received.name}: stopping after this step and saving a checkpoint "
+                    f"(send it again to stop at once)")
+
+    def install(self) -> None:
+        for sig in self.signals:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for sig in self.signals:
+            signal.signal(sig, self._handle)
+
+    def _stop_if_asked(self, trainer: pl.Trainer) -> None:
+        if self.received is not None:
+            trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._stop_if_asked(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_if_asked(trainer)
+
+    @property
+    def exit_code(self) -> int:
+        return SIGNAL_EXIT.get(self.received, 128 + int(self.received)) if self.received else 0
+
+
+@contextlib.contextmanager
+def stop_signals(stop: GracefulStop) -> Iterator[GracefulStop]:
+    """Catch SIGTERM/SIGINT for the whole run (setup and the final validation included)."""
+    stop.install()
+    try:
+        yield stop
+    finally:
+        stop.uninstall()
+
+
+# -- checkpoints between validations -------------------------------------------------------------
+class PeriodicCheckpoint(pl.Callback):
+    """Write `last.ckpt` every `every_n_steps` optimiser steps and/or every `every_n_minutes` of
+    training, besides the one written at every validation, so a kill or a preemption loses
+    little when validations are far apart or steps are long."""
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int | None = None,
+                 every_n_minutes: float | None = None) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("every_n_minutes", every_n_minutes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"callbacks.periodic_checkpoint.{name}={value!r} must be a positive number "
+                                  "or null (off)")
+        self.path = Path(dirpath) / "last.ckpt"
+        self.every_n_steps, self.every_s = every_n_steps, every_n_minutes * 60 if every_n_minutes else None
+        self._last_save = time.monotonic()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_save = time.monotonic()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        due = bool(self.every_n_steps and step % self.every_n_steps == 0)
+        due = due or bool(self.every_s and time.monotonic() - self._last_save >= self.every_s)
+        if due and not trainer.sanity_checking and not trainer.fast_dev_run and step < (trainer.max_steps or 0):
+            trainer.save_checkpoint(self.path, weights_only=False)
+            self._last_save = time.monotonic()
