@@ -43,7 +43,8 @@ def run(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProc
 
 
 def fault(target: str, **kwargs) -> list[str]:
-    return [f"+callbacks.fault._target_=faultinject.{target}", *(f"+callbacks.fault.{k}={v}" for k, v in kwargs.items())]
+    keys = (f"+callbacks.fault.{k}={v}" for k, v in kwargs.items())
+    return [f"+callbacks.fault._target_=faultinject.{target}", *keys]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
