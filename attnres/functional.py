@@ -11,6 +11,10 @@ then handed to an implementation in `attnres.ops`, chosen by `kernel`:
 - "torch": the fast formulation in plain PyTorch (`attnres/ops/torch_fused.py`);
 - "naive": the reference (`attnres/ops/naive.py`).
 
+Every op takes sources of any leading shape, (..., D): (B, T, D) in a Transformer, but also
+(D,) for one token or (B, H, T, D); the statistics and weights have the leading shape (...),
+and the result is what the same op gives on the sources flattened to (M, D).
+
 The two-phase API (`key_inv_rms`, `completed_attention`, `merge_partial`) is what the
 residual strategies use: statistics of a completed source computed once, the queries of
 several sublayers against all completed sources in one pass (phase 1), and each sublayer's
@@ -101,8 +105,11 @@ def _check(sources: Sequence[Tensor], pseudo_query: Tensor, norm_weight: Tensor 
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     first = sources[0]
-    if first.dim() != 3:
-        raise ValueError(f"sources must be (B, T, D) tensors, source 0 has shape {tuple(first.shape)}")
+    if first.dim() == 0 or first.shape[-1] == 0:
+        raise ValueError(
+            f"sources must be (..., D) tensors with D >= 1 (at least one dimension), source 0 has shape "
+            f"{tuple(first.shape)}"
+        )
     for i, v in enumerate(sources[1:], start=1):
         if v.shape != first.shape:
             raise ValueError(
@@ -129,9 +136,9 @@ def depth_attention(
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention over the depth axis.
 
-    `sources`: S >= 1 tensors (B, T, D) of one dtype and device; `pseudo_query`: (D,);
-    `norm_weight`: optional (D,) key RMSNorm gain. Returns `(h, weights)` with h (B, T, D)
-    and weights (S, B, T), both in the sources' dtype: statistics, logits and softmax are
+    `sources`: S >= 1 tensors (..., D) of one shape, dtype and device; `pseudo_query`: (D,);
+    `norm_weight`: optional (D,) key RMSNorm gain. Returns `(h, weights)` with h (..., D)
+    and weights (S, ...), both in the sources' dtype: statistics, logits and softmax are
     float32 (float64 for float64 sources) inside, rounded once at the end.
     `kernel` picks the implementation (module docstring).
     """
@@ -149,7 +156,7 @@ def depth_attention(
 
 
 def key_inv_rms(source: Tensor, eps: float = 1e-6, kernel: str = "auto") -> Tensor:
-    """The key statistic 1 / sqrt(mean(v^2) + eps) of a source (B, T, D) -> (B, T), in the
+    """The key statistic 1 / sqrt(mean(v^2) + eps) of a source (..., D) -> (...), in the
     statistics dtype, without gradient: compute it once per completed source and pass it to
     `completed_attention` / `merge_partial`, which differentiate through it themselves."""
     kernel = resolve_kernel(kernel, source)
@@ -166,8 +173,8 @@ def completed_attention(
     kernel: str = "auto",
 ) -> tuple[list[Tensor], Tensor]:
     """Phase 1: K queries (K, D) (gain-folded, see `fold_queries`) against the same sources
-    (n tensors (B, T, D)) in one pass. `inv_rms`: (n, B, T) from `key_inv_rms`, or None to
-    compute it. Returns K outputs (B, T, D) and their log-sum-exp (K, B, T) of the logits,
+    (n tensors (..., D)) in one pass. `inv_rms`: (n, ...) from `key_inv_rms`, or None to
+    compute it. Returns K outputs (..., D) and their log-sum-exp (K, ...) of the logits,
     which `merge_partial` needs to extend the softmax with further sources."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, sources[0])
@@ -185,9 +192,9 @@ def merge_partial(
     eps: float = 1e-6,
     kernel: str = "auto",
 ) -> Tensor:
-    """Phase 2: extend a phase-1 result `acc` (B, T, D) with log-sum-exp `lse` (B, T) by more
+    """Phase 2: extend a phase-1 result `acc` (..., D) with log-sum-exp `lse` (...) by more
     sources (e.g. the block's partial sum) under the same query (D,), as one softmax over all:
-    the online-softmax merge. `inv_rms`: (len(sources), B, T) or None. Returns h (B, T, D)."""
+    the online-softmax merge. `inv_rms`: (len(sources), ...) or None. Returns h (..., D)."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, acc)
     impl = _impl("torch" if kernel == "naive" else kernel)
@@ -204,17 +211,17 @@ def full_attn_res(
 ) -> dict[str, Tensor]:
     """Full AttnRes input for one sublayer: depth attention over `[embedding, *previous_outputs]`.
 
-    `embedding`: (B, T, D); `previous_outputs`: a (layers, B, T, D) tensor or a sequence of
-    (B, T, D) tensors (layers may be 0); `pseudo_query`: (D,). No key-norm gain.
-    Returns {"retrieved_representation": (B, T, D), "attention_weights": (S, B, T)} with
+    `embedding`: (..., D), e.g. (B, T, D); `previous_outputs`: a (layers, ..., D) tensor or a
+    sequence of (..., D) tensors (layers may be 0); `pseudo_query`: (D,). No key-norm gain.
+    Returns {"retrieved_representation": (..., D), "attention_weights": (S, ...)} with
     S = layers + 1, both in the input dtype (float32 statistics inside); the weights sum to 1
     per token. `kernel`: see the module docstring.
     """
     if isinstance(previous_outputs, Tensor):
-        if previous_outputs.dim() != 4:
+        if previous_outputs.dim() != embedding.dim() + 1:
             raise ValueError(
-                "previous_outputs as a tensor must be (layers, B, T, D), "
-                f"got shape {tuple(previous_outputs.shape)}"
+                "previous_outputs as a tensor must be (layers, *embedding.shape), "
+                f"(layers, {', '.join(map(str, embedding.shape))}), got shape {tuple(previous_outputs.shape)}"
             )
         previous_outputs = list(previous_outputs.unbind(0))  # views, no copy
     h, weights = depth_attention([embedding, *previous_outputs], pseudo_query, None, eps, kernel)
@@ -234,8 +241,9 @@ def block_attn_res(
 
     `blocks`: the completed blocks, `blocks[0]` being the embedding; `partial_block`: the
     running sum of the current block's outputs, or None when the block has none yet (an
-    empty partial sum is left out, never attended to as zeros). Returns h (B, T, D), or
-    `(h, weights)` with weights (S, B, T) when `return_weights`, both in the input dtype.
+    empty partial sum is left out, never attended to as zeros); all (..., D) of one shape.
+    Returns h (..., D), or `(h, weights)` with weights (S, ...) when `return_weights`, both
+    in the input dtype.
     `kernel`: see the module docstring.
     """
     sources = [*blocks] if partial_block is None else [*blocks, partial_block]

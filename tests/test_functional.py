@@ -236,6 +236,92 @@ def test_large_and_small_magnitudes_stay_finite_and_exact(dtype, magnitude, rel_
 
 
 # ------------------------------------------------------------------------------------------------
+# any leading shape (..., D)
+# ------------------------------------------------------------------------------------------------
+
+# (leading shape, D, layout): one token, a sequence, (B, T), 4-D and 5-D, an empty batch; the
+# permuted layout makes the leading dimensions non-contiguous (and D strided)
+LEADING_SHAPES = [
+    pytest.param((), 8, "contiguous", id="D8"),
+    pytest.param((5,), 8, "contiguous", id="T5-D8"),
+    pytest.param((2, 3), 16, "contiguous", id="B2-T3-D16"),
+    pytest.param((2, 3, 4), 8, "contiguous", id="B2-H3-T4-D8"),
+    pytest.param((2, 3, 4), 8, "permuted", id="B2-H3-T4-D8-permuted"),
+    pytest.param((2, 1, 3, 2), 12, "contiguous", id="5d-D12"),
+    pytest.param((0, 3), 8, "contiguous", id="B0-T3-D8"),
+]
+
+
+def leading_shape_leaf(lead, D, layout, gen, scale):
+    """A float32 leaf and the (*lead, D) input made from it: the leaf itself, or (permuted) a
+    view of a (*reversed(lead), 2 D) leaf with its leading dimensions reversed and every other
+    feature."""
+    if layout == "contiguous":
+        leaf = (torch.randn(*lead, D, generator=gen, dtype=torch.float64) * scale).float().requires_grad_()
+        return leaf, lambda x: x
+    leaf = (torch.randn(*lead[::-1], 2 * D, generator=gen, dtype=torch.float64) * scale).float().requires_grad_()
+    order = [*range(len(lead) - 1, -1, -1), len(lead)]
+    return leaf, lambda x: x.permute(order)[..., ::2]
+
+
+@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
+@pytest.mark.parametrize("op", ["full-tensor", "full-list", "block"])
+@pytest.mark.parametrize("lead,D,layout", LEADING_SHAPES)
+def test_any_leading_shape(lead, D, layout, op, kernel, rel_err, ref_depth_attention):
+    """Sources (..., D) of any leading shape: forward and every gradient against the float64
+    reference, and the same numbers as the op on the sources flattened to (1, M, D)."""
+    device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
+    S = 4
+    gen = torch.Generator().manual_seed(len(lead) * 100 + D)
+    made = [leading_shape_leaf(lead, D, layout, gen, s) for s in source_scales(S, gen)]
+    leaves, views = [leaf for leaf, _ in made], [view for _, view in made]
+    q = random_query(D, torch.float32, gen)
+    g = random_gain(D, torch.float32, gen) if op == "block" else None
+    params = [q] + ([] if g is None else [g])
+
+    def run(srcs, q, g):
+        if op == "block":
+            return block_attn_res(srcs[:-1], srcs[-1], q, norm_weight=g, return_weights=True, kernel=kernel)
+        previous = torch.stack(srcs[1:]) if op == "full-tensor" else srcs[1:]
+        out = full_attn_res(srcs[0], previous, q, kernel=kernel)
+        return out["retrieved_representation"], out["attention_weights"]
+
+    def inputs(xs, ps):  # the (..., D) sources on the device, and the parameters
+        srcs = [view(x.to(device)) for view, x in zip(views, xs, strict=True)]
+        return srcs, ps[0].to(device), None if g is None else ps[1].to(device)
+
+    srcs, q_in, g_in = inputs(leaves, params)
+    assert srcs[0].shape == (*lead, D) and (layout == "contiguous" or not srcs[0].is_contiguous())
+    h, w = run(srcs, q_in, g_in)
+    assert h.shape == (*lead, D) and w.shape == (S, *lead)
+    cot_h = torch.randn(h.shape, generator=gen, dtype=torch.float64)
+    cot_w = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+
+    def grads(h, w, wrt):
+        total = (h.double().cpu() * cot_h).sum() + (w.double().cpu() * cot_w).sum()
+        return torch.autograd.grad(total, wrt)
+
+    got = grads(h, w, [*leaves, *params])
+    ref_leaves, ref_params = [upcast_leaf(x) for x in leaves], [upcast_leaf(p) for p in params]
+    ref_srcs = [view(x) for view, x in zip(views, ref_leaves, strict=True)]
+    ref_h, ref_w = ref_depth_attention(ref_srcs, ref_params[0], None if g is None else ref_params[1])
+    want = grads(ref_h, ref_w, [*ref_leaves, *ref_params])
+    tol = TOL[torch.float32]
+    assert rel_err(h.cpu(), ref_h) < tol and rel_err(w.cpu(), ref_w) < tol
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(a, b) < tol, f"grad {i}"
+
+    # the same as on the sources flattened to (1, M, D), the shape the ops took before, to a few
+    # float32 roundings (torch's softmax takes another code path for another layout)
+    flat = [x.reshape(1, -1, D) for x in srcs]
+    flat_h, flat_w = run(flat, q_in, g_in)
+    flat_h, flat_w = flat_h.view(h.shape), flat_w.view(w.shape)
+    assert rel_err(h.cpu(), flat_h.cpu()) < 1e-6 and rel_err(w.cpu(), flat_w.cpu()) < 1e-6
+    for i, (a, b) in enumerate(zip(got, grads(flat_h, flat_w, [*leaves, *params]), strict=True)):
+        assert rel_err(a, b) < 1e-6, f"grad {i}"
+
+
+# ------------------------------------------------------------------------------------------------
 # contract
 # ------------------------------------------------------------------------------------------------
 
@@ -332,7 +418,8 @@ ERRORS = [
         r"pseudo_query.*\(8,\).*\(7,\)",
     ),
     ("full-sources-differ", lambda: full_attn_res(_e(2, 3, 8), [_e(2, 4, 8)], _e(8)), r"source 1 is \(2, 4, 8\)"),
-    ("full-non-3d-embedding", lambda: full_attn_res(_e(6, 8), [], _e(8)), r"\(B, T, D\).*\(6, 8\)"),
+    ("full-0d-embedding", lambda: full_attn_res(torch.tensor(1.0), [], _e(1)), r"\(\.\.\., D\).*shape \(\)"),
+    ("full-empty-d", lambda: full_attn_res(_e(2, 0), [], _e(0)), r"D >= 1.*\(2, 0\)"),
     ("full-non-3d-previous", lambda: full_attn_res(_e(2, 3, 8), [_e(6, 8)], _e(8)), r"source 1 is \(6, 8\)"),
     (
         "full-3d-tensor-previous",
@@ -358,7 +445,17 @@ ERRORS = [
         lambda: block_attn_res([_e(2, 3, 8), _e(1, 3, 8)], None, _e(8)),
         r"source 1 is \(1, 3, 8\)",
     ),
-    ("block-non-3d", lambda: block_attn_res([_e(1, 2, 3, 8)], None, _e(8)), r"\(B, T, D\)"),
+    ("block-0d", lambda: block_attn_res([torch.tensor(1.0)], None, _e(1)), r"\(\.\.\., D\)"),
+    (
+        "full-1d-embedding-3d-tensor-previous",
+        lambda: full_attn_res(_e(8), _e(2, 3, 8), _e(8)),
+        r"previous_outputs.*\(layers, 8\).*\(2, 3, 8\)",
+    ),
+    (
+        "block-leading-shapes-differ",
+        lambda: block_attn_res([_e(2, 3, 8)], _e(3, 2, 8), _e(8)),
+        r"source 1 is \(3, 2, 8\)",
+    ),
     ("block-no-sources", lambda: block_attn_res([], None, _e(8)), r"at least one source"),
     ("block-eps-zero", lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), eps=0), r"eps"),
     ("block-eps-negative", lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), eps=-0.1), r"eps"),

@@ -76,11 +76,13 @@ OP_CASES = [
 ]
 
 
-def sources_and_params(S, B, T, D, dtype, device, seed):
-    """Leaf sources of different magnitudes, a nonzero query (O(1) logits) and a gain."""
+def sources_and_params(S, B, T, D, dtype, device, seed, lead=None):
+    """Leaf sources (B, T, D), or (*lead, D), of different magnitudes, a nonzero query (O(1)
+    logits) and a gain."""
     gen = torch.Generator().manual_seed(seed)
     scales = torch.exp(torch.randn(S, generator=gen, dtype=torch.float64)).tolist()
-    srcs = [(torch.randn(B, T, D, generator=gen, dtype=torch.float64) * s) for s in scales]
+    shape = (B, T, D) if lead is None else (*lead, D)
+    srcs = [(torch.randn(shape, generator=gen, dtype=torch.float64) * s) for s in scales]
     q = torch.randn(D, generator=gen, dtype=torch.float64) * 2.0 / D**0.5
     g = 1.0 + 0.5 * torch.randn(D, generator=gen, dtype=torch.float64)
     leaf = functools.partial(_leaf, dtype=dtype, device=device)
@@ -236,21 +238,24 @@ def test_op_saturated_softmax(kernel, device, dtype, rel_err, ref_depth_attentio
 
 
 @pytest.mark.parametrize(
-    "n,K,extra,cached,D",
+    "n,K,extra,cached,D,lead",
     [
-        pytest.param(1, 1, 1, True, 24, id="n1-K1-extra1-cached-D24"),
-        pytest.param(3, 3, 1, False, 24, id="n3-K3-extra1-D24"),
-        pytest.param(2, 6, 2, True, 24, id="n2-K6-extra2-cached-D24"),  # K > 4: Triton splits the queries
-        pytest.param(4, 2, 3, False, 24, id="n4-K2-extra3-D24"),
-        pytest.param(5, 3, 2, False, 2100, id="n5-K3-extra2-D2100"),  # wide rows: 2 queries per Triton launch
+        pytest.param(1, 1, 1, True, 24, (2, 3), id="n1-K1-extra1-cached-D24"),
+        pytest.param(3, 3, 1, False, 24, (2, 3), id="n3-K3-extra1-D24"),
+        pytest.param(2, 6, 2, True, 24, (2, 3), id="n2-K6-extra2-cached-D24"),  # K > 4: Triton splits the queries
+        pytest.param(4, 2, 3, False, 24, (2, 3), id="n4-K2-extra3-D24"),
+        pytest.param(5, 3, 2, False, 2100, (2, 3), id="n5-K3-extra2-D2100"),  # wide rows: 2 queries per launch
+        pytest.param(2, 2, 1, True, 24, (), id="n2-K2-extra1-cached-D24-one-token"),  # sources (D,)
+        pytest.param(2, 3, 2, False, 24, (2, 1, 3, 2), id="n2-K3-extra2-D24-5d"),  # sources (2, 1, 3, 2, D)
     ],
 )
 @pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64], [torch.float32]))
-def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached, D, rel_err, ref_depth_attention):
+def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached, D, lead, rel_err, ref_depth_attention):
     """K queries meet n completed sources in one phase-1 pass; query k then merges `extra`
-    newer sources: the result is depth attention over all n + extra sources."""
+    newer sources: the result is depth attention over all n + extra sources, for sources
+    (*lead, D) of any leading shape."""
     eps = 1e-6
-    srcs, _, _ = sources_and_params(n + extra, 2, 3, D, dtype, device, seed=7 * n + K)
+    srcs, _, _ = sources_and_params(n + extra, 0, 0, D, dtype, device, seed=7 * n + K, lead=lead)
     gen = torch.Generator().manual_seed(K)
     Q = (torch.randn(K, D, generator=gen, dtype=torch.float64) * 2 / D**0.5).to(device, dtype).requires_grad_()
     G = (1 + 0.5 * torch.randn(K, D, generator=gen, dtype=torch.float64)).to(device, dtype).requires_grad_()
@@ -259,7 +264,7 @@ def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached,
     r_done = torch.stack([key_inv_rms(v, eps, kernel) for v in completed]) if cached else None
     r_new = torch.stack([key_inv_rms(v, eps, kernel) for v in newer]) if cached else None
     accs, lse = completed_attention(completed, r_done, queries, eps, kernel)
-    assert len(accs) == K and lse.shape == (K, 2, 3)
+    assert len(accs) == K and lse.shape == (K, *lead) and accs[0].shape == (*lead, D)
     hs = [merge_partial(accs[k], lse[k], newer, r_new, queries[k], eps, kernel) for k in range(K)]
     outputs = [*hs, *accs, lse]
     cot = cotangents_for(outputs, seed=n)

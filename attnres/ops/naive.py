@@ -25,11 +25,11 @@ def naive_depth_attention(
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
+    """Attend over `sources` (each (..., D), e.g. (B, T, D)) with `pseudo_query` (D,).
 
     Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
-    float64 for float64 sources, and rounded once): h is (B, T, D), weights is
-    (S, B, T) and sums to 1 over S for every token (to that dtype's rounding).
+    float64 for float64 sources, and rounded once): h is (..., D), weights is
+    (S, ...) and sums to 1 over S for every token (to that dtype's rounding).
     Inputs are not validated here: `attnres.functional` does that once, at the
     public boundary.
     """
@@ -38,16 +38,16 @@ def naive_depth_attention(
     if norm_weight is not None:
         query = query * norm_weight.to(compute_dtype)  # fold the key-norm gain into the query
     logits = []
-    for v in sources:  # v: (B, T, D)
+    for v in sources:  # v: (..., D)
         v32 = v.to(compute_dtype)
         # w . RMSNorm(v) is unchanged when v is divided by any c > 0 and eps by c^2. Dividing by
         # c = max(1, max|v|) keeps the squares from overflowing (bf16 or float32 values past
         # ~1e19 square to inf in float32); c is a constant of the function, hence detached.
-        c = v32.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)  # (B, T, 1)
+        c = v32.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)  # (..., 1)
         u = v32 / c
-        inv_rms = torch.rsqrt(u.pow(2).mean(dim=-1) + eps / c.squeeze(-1).pow(2))  # (B, T): c / rms(v)
-        logits.append((u * query).sum(dim=-1) * inv_rms)  # (B, T)
-    weights = torch.softmax(torch.stack(logits), dim=0)  # (S, B, T)
+        inv_rms = torch.rsqrt(u.pow(2).mean(dim=-1) + eps / c.squeeze(-1).pow(2))  # (...): c / rms(v)
+        logits.append((u * query).sum(dim=-1) * inv_rms)  # (...)
+    weights = torch.softmax(torch.stack(logits), dim=0)  # (S, ...)
     h = weights[0].unsqueeze(-1) * sources[0].to(compute_dtype)
     for alpha, v in zip(weights[1:], sources[1:], strict=True):
         h = h + alpha.unsqueeze(-1) * v.to(compute_dtype)

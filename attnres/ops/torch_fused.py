@@ -80,7 +80,7 @@ def _weights(zall: Tensor, lse: Tensor) -> Tensor:
 
 
 def _rows(v: Tensor, cd: torch.dtype) -> Tensor:
-    """(B, T, D) -> (M, D) in the compute dtype; a view for contiguous float32/64 inputs."""
+    """(..., D) -> (M, D) in the compute dtype; a view for contiguous float32/64 inputs."""
     return v.to(cd).reshape(-1, v.shape[-1])
 
 
@@ -92,14 +92,15 @@ def depth_attention_forward(
     prefix_lse: Tensor | None,
     eps: float,
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
-    """No-grad forward. sources: n tensors (B, T, D); r_cache: (n, B, T) inverse RMS or None;
-    queries: (K, D) gain-folded, compute dtype; prefix_h: [] or K tensors (B, T, D) whose
-    logit is prefix_lse (K, B, T). Returns (outs: K tensors (B, T, D) in the sources' dtype,
-    z (K, n, B, T), lse (K, B, T), r (n, B, T)), statistics in the compute dtype."""
+    """No-grad forward. sources: n tensors (..., D); r_cache: (n, ...) inverse RMS or None;
+    queries: (K, D) gain-folded, compute dtype; prefix_h: [] or K tensors (..., D) whose
+    logit is prefix_lse (K, ...). Returns (outs: K tensors (..., D) in the sources' dtype,
+    z (K, n, ...), lse (K, ...), r (n, ...)), statistics in the compute dtype. Any leading
+    shape: tokens are rows of the (M, D) views."""
     dtype, cd = sources[0].dtype, queries.dtype
     shape, K, n = sources[0].shape, queries.shape[0], len(sources)
     vs = [_rows(v, cd) for v in sources]  # (M, D) each
-    r = r_cache if r_cache is not None else torch.stack([inv_rms(v, eps) for v in sources])  # (n, B, T)
+    r = r_cache if r_cache is not None else torch.stack([inv_rms(v, eps) for v in sources])  # (n, ...)
     r = r.reshape(n, -1)  # (n, M)
     # one (M, D) @ (D, K) product per source: the logits of all K queries in one read
     z = torch.stack([v @ queries.T for v in vs]).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
@@ -263,11 +264,11 @@ def fused_depth_attention(
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
+    """Attend over `sources` (each (..., D), e.g. (B, T, D)) with `pseudo_query` (D,).
 
     Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
-    float64 for float64 sources, and rounded once): h is (B, T, D), weights is
-    (S, B, T) and sums to 1 over S for every token (to that dtype's rounding).
+    float64 for float64 sources, and rounded once): h is (..., D), weights is
+    (S, ...) and sums to 1 over S for every token (to that dtype's rounding).
     Inputs are not validated here: `attnres.functional` does that once, at the
     public boundary.
     """

@@ -472,11 +472,11 @@ def fused_depth_attention(
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """Attend over `sources` (each (B, T, D)) with `pseudo_query` (D,).
+    """Attend over `sources` (each (..., D), e.g. (B, T, D)) with `pseudo_query` (D,).
 
     Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
-    float64 for float64 sources, and rounded once): h is (B, T, D), weights is
-    (S, B, T) and sums to 1 over S for every token (to that dtype's rounding).
+    float64 for float64 sources, and rounded once): h is (..., D), weights is
+    (S, ...) and sums to 1 over S for every token (to that dtype's rounding).
     Inputs are not validated here: `attnres.functional` does that once, at the
     public boundary.
     """
