@@ -34,6 +34,8 @@ from attnres.training.lit import LitLanguageModel
 from attnres.training.run import (
     check_checkpoint,
     describe_checkpoint,
+    end_block,
+    report,
     resolve_precision,
     resume_checkpoint,
     run_child_job,
@@ -51,7 +53,10 @@ log = logging.getLogger("attnres")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 # a step skipped by nonfinite.policy=skip|rollback returns None on purpose (and says so in the log)
 warnings.filterwarnings("ignore", message=r".*`training_step` returned `None`")
-logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: not str(r.msg).startswith("💡"))
+# Lightning's start and stop lines ("GPU available: ...", "`Trainer.fit` stopped: ...") say nothing
+# the run's own start and end lines do not say better
+_QUIET = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.fit` stopped")
+logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: not str(r.msg).startswith(_QUIET))
 
 
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
@@ -117,7 +122,10 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
             trainer.validate(module, datamodule=datamodule, verbose=False)
         if not trainer.is_global_zero:
             return {}
-        return write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
+        summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
+        events = Path(trainer.logger.log_dir) if trainer.logger is not None and trainer.logger.log_dir else None
+        report(end_block(summary, run_dir, events))
+        return summary
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -161,7 +161,9 @@ class GracefulStop(pl.Callback):
             signal.signal(sig, self._handle)
 
     def _stop_if_asked(self, trainer: pl.Trainer) -> None:
-        if self.received is not None:
+        # under DDP a scheduler may signal one rank only: all ranks stop at the same step
+        if trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            self.received = self.received or signal.SIGTERM
             trainer.should_stop = True
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:

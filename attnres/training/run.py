@@ -18,7 +18,7 @@ import torch
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
-from pytorch_lightning.callbacks import TQDMProgressBar
+from pytorch_lightning.callbacks import ProgressBar
 
 from attnres.training import naming  # noqa: F401  (registers the run-folder resolver)
 from attnres.training.errors import ConfigError
@@ -133,25 +133,74 @@ def check_checkpoint(path: str, module: pl.LightningModule) -> None:
             )
 
 
-class StepProgressBar(TQDMProgressBar):
-    """A progress bar over optimiser steps (of `max_steps`), not over the epoch's batches."""
+class StepProgressBar(ProgressBar):
+    """One line over optimiser steps (of `max_steps`) with the latest numbers; a validation
+    only updates those numbers instead of drawing bars of its own.
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        if trainer.max_steps and trainer.max_steps > 0:
-            self.train_progress_bar.reset(total=trainer.max_steps)
-            self.train_progress_bar.n = trainer.global_step
-            self.train_progress_bar.set_description("steps")
+    Where stdout is not a terminal (a sweep's train.log, a batch job's log) there is no bar:
+    a plain log line every `plain_every` steps and after each validation, so files hold no
+    carriage returns or escape codes.
+    """
+
+    def __init__(self, refresh_rate: int = 10, plain_every: int = 100) -> None:
+        super().__init__()
+        self.refresh_rate, self.plain_every = max(1, int(refresh_rate)), max(1, int(plain_every))
+        self._enabled, self.bar = True, None
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def _numbers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, str]:
+        metrics = self.get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return {k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in metrics.items()}
+
+    def _line(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        numbers = "  ".join(f"{k} {v}" for k, v in self._numbers(trainer, pl_module).items())
+        return f"step {trainer.global_step}/{trainer.max_steps}  {numbers}"
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._enabled and trainer.is_global_zero and sys.stdout.isatty():
+            from tqdm.auto import tqdm
+
+            total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+            self.bar = tqdm(total=total, initial=trainer.global_step, desc="steps", dynamic_ncols=True,
+                            file=sys.stdout, leave=True, smoothing=0.1, unit="step")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        bar = self.train_progress_bar
-        if bar is not None and trainer.max_steps and trainer.max_steps > 0:
-            if self._should_update(trainer.global_step, bar.total) or trainer.global_step >= trainer.max_steps:
-                bar.n = trainer.global_step
-                bar.set_postfix(self.get_metrics(trainer, pl_module))
-                bar.refresh()
+        if not self._enabled or not trainer.is_global_zero:
             return
-        super().on_train_batch_end(trainer, pl_module, *args)
+        step, last = trainer.global_step, trainer.global_step >= (trainer.max_steps or 0)
+        if self.bar is not None and (step % self.refresh_rate == 0 or last):
+            self.bar.n = step
+            self.bar.set_postfix(self._numbers(trainer, pl_module), refresh=False)
+            self.bar.refresh()
+        elif self.bar is None and (step % self.plain_every == 0 or last):
+            log.info(self._line(trainer, pl_module))
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.bar is not None and not trainer.sanity_checking:
+            self.bar.set_description("validating")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._enabled or not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        if self.bar is not None:
+            self.bar.set_description("steps")
+            self.bar.set_postfix(self._numbers(trainer, pl_module))
+        elif trainer.state.fn == "fit":
+            log.info(f"validation at {self._line(trainer, pl_module)}")
+
+    def on_train_end(self, *args: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.on_train_end()
 
 
 def _scalar(value: Any) -> Any:
@@ -183,6 +232,43 @@ def write_summary(
     }
     write_json(run_dir / "metrics.json", summary)
     return summary
+
+
+def _human(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{seconds:.1f} s"
+
+
+def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -> str:
+    """What a run tells the user when it ends: the numbers of metrics.json and where things are."""
+    metrics = summary.get("metrics", {})
+    shown = [f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/") and isinstance(v, float)]
+    where = os.path.relpath(run_dir) if not os.path.relpath(run_dir).startswith("..") else str(run_dir)
+    peak = summary.get("peak_memory_bytes")
+    speed = summary.get("tokens_per_sec")
+    lines = [
+        f"{summary['status']} in {_duration(summary['wall_time_s'])}: " + (", ".join(shown) or "no validation"),
+        f"  steps {summary['steps']}, tokens seen {_human(summary['tokens_seen'])}"
+        + (f", {_human(speed)} tokens/s" if speed else "")
+        + (f", peak memory {peak / 2**20:,.0f} MiB" if peak else ""),
+        f"  run folder   {where}",
+    ]
+    ckpts = [p.name for p in (run_dir / "checkpoints").glob("*.ckpt")] if (run_dir / "checkpoints").is_dir() else []
+    if ckpts:
+        lines.append(f"  checkpoints  {where}/checkpoints/ ({', '.join(sorted(ckpts))})")
+    lines.append(f"  metrics      {where}/metrics.json")
+    if events_dir is not None:
+        lines.append(f"  TensorBoard  tensorboard --logdir {where}")
+        lines.append(f"  figures      python experiments/plot_run.py {where}")
+    return "\n".join(lines)
 
 
 def describe_checkpoint(path: Path) -> str:
@@ -223,17 +309,27 @@ def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
         raise
 
 
+def file_log() -> logging.Logger:
+    """A logger that writes to the run's log file only (Hydra's file handler), not the terminal."""
+    logger = logging.getLogger("attnres.file")
+    logger.propagate = False
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler not in logger.handlers:
+            logger.addHandler(handler)
+    return logger
+
+
 def log_traceback(err: BaseException) -> None:
     """The error and its traceback into the run's log file (not the terminal)."""
     if isinstance(err, (SystemExit, KeyboardInterrupt)) and not isinstance(err, RunEnded):
         return
-    file_log = logging.getLogger("attnres.trace")
-    if not file_log.handlers:
-        file_log.propagate = False
-        for handler in logging.getLogger().handlers:
-            if isinstance(handler, logging.FileHandler):
-                file_log.addHandler(handler)
-    file_log.error(f"the run failed: {type(err).__name__}: {err}", exc_info=err)
+    file_log().error(f"the run failed: {type(err).__name__}: {err}", exc_info=err)
+
+
+def report(text: str) -> None:
+    """Print `text` as it is (no log prefix) and keep it in the run's log file."""
+    print(text, flush=True)
+    file_log().info(text)
 
 
 def share_log_file() -> None:
