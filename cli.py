@@ -28,7 +28,15 @@ from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from attnres.training import sweep
-from attnres.training.faults import GracefulStop, NonFiniteLoss, RunEnded, RunLock, clean_stale_tmp, stop_signals
+from attnres.training.faults import (
+    GracefulStop,
+    Interrupted,
+    NonFiniteLoss,
+    RunEnded,
+    RunLock,
+    clean_stale_tmp,
+    stop_signals,
+)
 from attnres.training.io import AtomicCheckpointIO
 from attnres.training.lit import LitLanguageModel
 from attnres.training.run import (
@@ -63,13 +71,13 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
     validate_config(cfg)
     share_log_file()
-    with RunLock(run_dir), stop_signals(GracefulStop()) as stop:
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with RunLock(run_dir), stop_signals(GracefulStop(last)) as stop:
         clean_stale_tmp(run_dir)
         ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
         log.info(f"run folder: {run_dir}" + (f" (resuming from {ckpt})" if ckpt else ""))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
-        last = run_dir / "checkpoints" / "last.ckpt"
         datamodule = instantiate(cfg.data)
         model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
         module = LitLanguageModel(
@@ -101,25 +109,26 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         start = time.perf_counter()
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
-        except SIGTERMException:  # Lightning's own handler, if the signal came before ours took over
-            stop.received = stop.received or signal.SIGTERM
+        except (Interrupted, SIGTERMException) as err:  # Lightning's own, if the signal beat our handler
+            sig = err.signal if isinstance(err, Interrupted) else signal.SIGTERM
+            stop.received = stop.received or sig
+            if isinstance(err, SIGTERMException) and not trainer.fast_dev_run:
+                trainer.save_checkpoint(last, weights_only=False)
+            info = {**info, "interrupted_by": sig.name, "resumed_from": ckpt}
+            if trainer.is_global_zero:
+                write_summary(run_dir, trainer, module, time.perf_counter() - start, info, status="interrupted")
+            raise RunEnded(f"interrupted by {sig.name} at step {trainer.global_step}; saved {last}; "
+                           "continue with the same command and resume=true", stop.exit_code) from err
         except NonFiniteLoss as err:
             info = {**info, "error": str(err), "last_checkpoint": describe_checkpoint(last), "resumed_from": ckpt}
             if trainer.is_global_zero:
                 write_summary(run_dir, trainer, module, time.perf_counter() - start, info, status="failed")
             raise RunEnded(f"error: {err}; the last good checkpoint is {describe_checkpoint(last)}; "
                            "see nonfinite.policy (stop, skip, rollback) in README", 1) from err
-        if stop.received and trainer.global_step < (trainer.max_steps or 0):
-            if not trainer.fast_dev_run:
-                trainer.save_checkpoint(last, weights_only=False)
-            info = {**info, "interrupted_by": stop.received.name, "resumed_from": ckpt}
-            if trainer.is_global_zero:
-                write_summary(run_dir, trainer, module, time.perf_counter() - start, info, status="interrupted")
-            raise RunEnded(f"interrupted by {stop.received.name} at step {trainer.global_step}; saved {last}; "
-                           "continue with the same command and resume=true", stop.exit_code)
         if not trainer.fast_dev_run:
             trainer.save_checkpoint(last, weights_only=False)
-            trainer.validate(module, datamodule=datamodule, verbose=False)
+            if module.last_validation_step != trainer.global_step:  # e.g. a resumed run that had finished
+                trainer.validate(module, datamodule=datamodule, verbose=False)
         if not trainer.is_global_zero:
             return {}
         summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})

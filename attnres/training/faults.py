@@ -122,18 +122,28 @@ def clear_previous_run(run_dir: Path) -> list[str]:
 
 
 # -- signals ------------------------------------------------------------------------------------
-class GracefulStop(pl.Callback):
-    """SIGTERM and SIGINT stop training after the current step (or the validation under way).
+class Interrupted(Exception):  # noqa: N818  (raised out of `fit` on purpose)
+    """Training stopped on a signal after step `step`, whose checkpoint is written."""
 
-    The runner then writes `last.ckpt` and ends the run as `interrupted`. A second signal
-    ends the process at once (the last checkpoint on disk stays whole: writes are atomic).
-    Lightning installs its own SIGTERM handler when fit starts (its loops would then exit with
-    status 0): this one is installed again at `on_train_start`, after Lightning's, and replaces it.
+    def __init__(self, sig: signal.Signals, step: int) -> None:
+        super().__init__(f"interrupted by {sig.name} at step {step}")
+        self.signal, self.step = sig, step
+
+
+class GracefulStop(pl.Callback):
+    """SIGTERM and SIGINT stop training at the end of the current step: `last.ckpt` of that step
+    is written there and then, and `Interrupted` leaves `fit` (no validation first: a scheduler's
+    grace period is short). A signal during a validation stops at the end of the next step.
+    A second signal ends the process at once (the last checkpoint on disk stays whole: writes
+    are atomic). Lightning installs its own SIGTERM handler when fit starts (its loops would
+    then exit with status 0): this one is installed again at `on_train_start`, after
+    Lightning's, and replaces it.
     """
 
     signals = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint: str | Path | None = None) -> None:
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.received: signal.Signals | None = None
         self._previous: dict[int, Any] = {}
 
@@ -160,17 +170,16 @@ class GracefulStop(pl.Callback):
         for sig in self.signals:
             signal.signal(sig, self._handle)
 
-    def _stop_if_asked(self, trainer: pl.Trainer) -> None:
-        # under DDP a scheduler may signal one rank only: all ranks stop at the same step
-        if trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
-            self.received = self.received or signal.SIGTERM
-            trainer.should_stop = True
-
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._stop_if_asked(trainer)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop_if_asked(trainer)
+        # under DDP a scheduler may signal one rank only: all ranks stop at the same step
+        if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            return
+        self.received = self.received or signal.SIGTERM
+        if trainer.global_step >= (trainer.max_steps or 0):
+            return  # the last step: the run ends normally anyway
+        if self.checkpoint is not None and not trainer.fast_dev_run:
+            trainer.save_checkpoint(self.checkpoint, weights_only=False)
+        raise Interrupted(self.received, trainer.global_step)
 
     @property
     def exit_code(self) -> int:

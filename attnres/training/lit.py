@@ -133,6 +133,7 @@ class LitLanguageModel(pl.LightningModule):
                               f"{', '.join(NONFINITE_POLICIES)}; set nonfinite.policy=stop")
         self.seed, self.rollback_checkpoint = seed, rollback_checkpoint
         self.skipped_steps, self.rollbacks, self._bad_in_a_row = 0, 0, 0  # the first two are checkpointed
+        self.last_validation_step: int | None = None
         self.model = model
         self.optimizer_factory, self.schedule_factory = optimizer, schedule
         self.query_lr_scale, self.total_steps, self.metric = query_lr_scale, total_steps, metric
@@ -162,6 +163,11 @@ class LitLanguageModel(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.max_steps and self.trainer.global_step >= self.trainer.max_steps:
+            # the last step: Lightning then validates inside fit, so the checkpoint callback
+            # also judges the final weights (best.ckpt exists even for a run shorter than
+            # val_check_interval)
+            self.trainer.should_stop = True
         tokens = batch[0].numel() * self.trainer.world_size
         self.tokens_seen += tokens
         if self.device.type == "cuda":
@@ -272,6 +278,8 @@ class LitLanguageModel(pl.LightningModule):
         values = dict(zip(self._val_sums, sums.tolist(), strict=True))
         if values["tokens"] == 0:
             return
+        if not self.trainer.sanity_checking:
+            self.last_validation_step = self.trainer.global_step
         loss = values["loss"] / values["tokens"]
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         if self.metric == "bpb":
