@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -306,7 +307,36 @@ def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
         sys.exit(2)
     except BaseException as err:
         log_traceback(err)
+        if run_dir is not None and isinstance(err, (ConfigError, InstantiationException, MissingMandatoryValue)):
+            remove_if_untouched(run_dir)  # a refused command leaves no folder behind
         raise
+
+
+#: what a run folder holds before the run has produced anything (Hydra writes the first two)
+UNTOUCHED = {".hydra", "attnres.log", ".run.lock"}
+
+
+def remove_if_untouched(run_dir: Path) -> bool:
+    """Remove a run folder that holds nothing but Hydra's files (a run refused before it started),
+    and the parent folders that become empty, up to the current folder. Never a folder that holds
+    anything else, or one another process is running in."""
+    from attnres.training.faults import RunLock
+
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - UNTOUCHED:
+        return False
+    try:
+        with RunLock(run_dir):
+            shutil.rmtree(run_dir)
+    except (ConfigError, OSError):
+        return False
+    cwd, parent = Path.cwd().resolve(), run_dir.resolve().parent
+    while parent != cwd and cwd in parent.parents:
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+        parent = parent.parent
+    return True
 
 
 def file_log() -> logging.Logger:
