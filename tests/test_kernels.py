@@ -333,6 +333,9 @@ STRATEGY_CASES = [
     ("block", 6, 1, True, True),  # S = 6 > 4 queries in one phase-1 pass
     ("block", 4, 4, True, True),  # N = L: Full AttnRes
     ("block", 6, 2, False, False),
+    ("block", 6, (4, 2), True, True),  # block_sizes: a shorter last block
+    ("block", 7, (3, 3, 1), True, True),  # an odd stack
+    ("block", 7, (1, 6), False, False),  # a block of 6 > 4 queries after one of 1
     ("full", 3, None, True, True),
     ("full", 9, None, True, True),  # chunks of C = 3 sublayers
     ("full", 5, None, False, False),
@@ -340,14 +343,17 @@ STRATEGY_CASES = [
 
 
 def strategy_id(kind, L, N, gain, agg):
-    return f"{kind}-L{L}" + (f"-N{N}" if N else "") + ("" if gain else "-nogain") + ("" if agg else "-noagg")
+    blocks = "" if not N else f"-N{N}" if isinstance(N, int) else "-sizes" + "_".join(map(str, N))
+    return f"{kind}-L{L}" + blocks + ("" if gain else "-nogain") + ("" if agg else "-noagg")
 
 
 def make_strategy(kind, L, N, gain, agg, kernel, d):
+    """N: the number of equal blocks, or a tuple of block sizes."""
     if kind == "full":
         s = FullAttentionResidual(d, L, key_norm_gain=gain, output_aggregation=agg, kernel=kernel)
     else:
-        s = BlockAttentionResidual(d, L, num_blocks=N, key_norm_gain=gain, output_aggregation=agg, kernel=kernel)
+        blocks = {"num_blocks": N} if isinstance(N, int) else {"block_sizes": N}
+        s = BlockAttentionResidual(d, L, **blocks, key_norm_gain=gain, output_aggregation=agg, kernel=kernel)
     gen = torch.Generator().manual_seed(L)
     with torch.no_grad():  # random nonzero queries and gains: weights far from uniform
         s.pseudo_query.copy_(torch.randn(s.pseudo_query.shape, generator=gen) * 2 / d**0.5)

@@ -84,21 +84,33 @@ CONFIGS = [
     ("block", 6, 2, False, True),
     ("block", 6, 2, True, False),
     ("block", 2, 1, True, True),
+    # explicit block sizes: a shorter last block, odd stacks, a block longer than 4 queries
+    ("block", 6, (4, 2), True, True),
+    ("block", 7, (3, 3, 1), True, True),
+    ("block", 7, (2, 5), False, True),
+    ("block", 5, (1, 1, 3), True, False),
 ]
 
 
 def config_id(kind, L, N, gain, agg) -> str:
-    return f"{kind}-L{L}" + (f"-N{N}" if N else "") + ("" if gain else "-nogain") + ("" if agg else "-noagg")
+    blocks = "" if not N else f"-N{N}" if isinstance(N, int) else "-sizes" + "_".join(map(str, N))
+    return f"{kind}-L{L}" + blocks + ("" if gain else "-nogain") + ("" if agg else "-noagg")
+
+
+def sizes_of(L, N) -> list[int]:
+    """Sublayers per block: N equal blocks, or N itself when it is a tuple of block sizes."""
+    return [L // N] * N if isinstance(N, int) else list(N)
 
 
 CONFIG_PARAMS = [pytest.param(*c, id=config_id(*c)) for c in CONFIGS]
 
 
-def build(kind, L, N, gain, agg, d=D, eps=1e-6):
+def build(kind, L, N, gain, agg, d=D, eps=1e-6, kernel="auto"):
     if kind == "full":
-        s = FullAttentionResidual(d, L, eps=eps, key_norm_gain=gain, output_aggregation=agg)
+        s = FullAttentionResidual(d, L, eps=eps, key_norm_gain=gain, output_aggregation=agg, kernel=kernel)
     else:
-        s = BlockAttentionResidual(d, L, num_blocks=N, eps=eps, key_norm_gain=gain, output_aggregation=agg)
+        blocks = {"num_blocks": N} if isinstance(N, int) else {"block_sizes": list(N)}
+        s = BlockAttentionResidual(d, L, **blocks, eps=eps, key_norm_gain=gain, output_aggregation=agg, kernel=kernel)
     return s.double()
 
 
@@ -106,8 +118,10 @@ def expected_num_sources(kind, L, N) -> list[int]:
     """S_l for l = 0 .. L-1 and (index L) the output aggregation, from DESIGN.md section 2."""
     if kind == "full":
         return [l + 1 for l in range(L)] + [L + 1]
-    S = L // N
-    return [1 + l // S + (1 if l % S else 0) for l in range(L)] + [N + 1]
+    counts = []
+    for n, S in enumerate(sizes_of(L, N)):  # the embedding, n completed blocks, and the partial sum from i = 1
+        counts += [1 + n + (1 if i else 0) for i in range(S)]
+    return counts + [len(sizes_of(L, N)) + 1]
 
 
 def ref_full(attend, e, fs, Q, G, eps, agg):
@@ -127,19 +141,20 @@ def ref_full(attend, e, fs, Q, G, eps, agg):
 
 def ref_block(attend, e, fs, N, Q, G, eps, agg):
     """Block AttnRes: b_0 = e on its own; sublayer i of block n attends over the completed blocks
-    and (i >= 2) the partial sum of the block's earlier outputs; never a zero source."""
+    and (i >= 2) the partial sum of the block's earlier outputs; never a zero source. N is the
+    number of equal blocks, or a tuple of block sizes."""
     L = len(fs)
-    S = L // N
     gain = (lambda i: None) if G is None else (lambda i: G[i])
     completed, alphas = [e], []
-    for n in range(N):
+    l = 0
+    for S in sizes_of(L, N):
         outputs = []
-        for i in range(S):
-            l = n * S + i
+        for _ in range(S):
             sources = completed if not outputs else [*completed, sum(outputs[1:], outputs[0])]
             h, alpha = attend(sources, Q[l], gain(l), eps)
             alphas.append(alpha)
             outputs.append(fs[l](h))
+            l += 1
         completed.append(sum(outputs[1:], outputs[0]))
     if not agg:
         return sum(completed[1:], completed[0]), alphas
@@ -195,6 +210,28 @@ def test_attnres_strategy_matches_reference(kind, L, N, gain, agg, rel_err, ref_
         assert grads[1][L].abs().max() == 0
 
 
+@pytest.mark.parametrize("kernel", ["torch", "naive"])
+@pytest.mark.parametrize("kind,L,N,gain,agg", CONFIG_PARAMS)
+def test_fast_path_matches_reference(kind, L, N, gain, agg, kernel, rel_err, ref_depth_attention):
+    """A pass that does not record takes the two-phase fast path (kernel="torch"), unequal blocks
+    included; "naive" runs one reference attention per sublayer. Both against the reference."""
+    strategy = randomize(build(kind, L, N, gain, agg, kernel=kernel), seed=L)
+    sublayers = make_sublayers(L, seed=1)
+    e = torch.randn(2, 3, D, dtype=torch.float64, requires_grad=True)
+    out = strategy(e, sublayers)
+    assert strategy.recorded is None
+    Q = strategy.pseudo_query.detach().clone().requires_grad_()
+    G = strategy.key_norm_weight.detach().clone().requires_grad_() if gain else None
+    ref_out, _ = reference(ref_depth_attention, kind, N, e, list(sublayers), Q, G, strategy.eps, agg)
+    assert rel_err(out, ref_out) < 1e-12
+    params = [strategy.pseudo_query] + ([strategy.key_norm_weight] if gain else [])
+    cot = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [e, *params, *sublayers.parameters()], cot)
+    ref_grads = torch.autograd.grad(ref_out, [e, Q, *([G] if gain else []), *sublayers.parameters()], cot)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 1e-12
+
+
 def test_standard_matches_reference(rel_err):
     sublayers = make_sublayers(4)
     e = torch.randn(2, 3, D, dtype=torch.float64)
@@ -215,6 +252,45 @@ def test_block_with_one_sublayer_per_block_is_full(L):
     assert torch.equal(full(e, sublayers), block(e, sublayers))
     for l in range(L + 1):
         assert torch.equal(full.recorded.weights[l], block.recorded.weights[l])
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["fast", "recording"])
+@pytest.mark.parametrize("kernel", ["torch", "naive"])
+@pytest.mark.parametrize("L,N", [(6, 3), (8, 2), (4, 4), (6, 1)], ids=["L6-N3", "L8-N2", "L4-N4", "L6-N1"])
+def test_uniform_block_sizes_are_num_blocks_exactly(L, N, kernel, record):
+    by_count = randomize(build("block", L, N, True, True, kernel=kernel), seed=2)
+    by_sizes = build("block", L, (L // N,) * N, True, True, kernel=kernel)
+    by_sizes.load_state_dict(by_count.state_dict())
+    assert by_sizes.block_sizes == by_count.block_sizes == (L // N,) * N
+    assert by_sizes.num_blocks == N and by_sizes.block_size == L // N
+    sublayers = make_sublayers(L)
+    e = torch.randn(2, 3, D, dtype=torch.float64, requires_grad=True)
+    outs, grads = [], []
+    for strategy in (by_count, by_sizes):
+        if record:
+            strategy.record_next()
+        out = strategy(e, sublayers)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.sum(), [e, *strategy.parameters()]))
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    if record:
+        assert by_count.recorded.weights.keys() == by_sizes.recorded.weights.keys()
+        for l, w in by_count.recorded.weights.items():
+            assert torch.equal(w, by_sizes.recorded.weights[l])
+
+
+def test_unequal_blocks_have_the_listed_boundaries():
+    """L = 7 in blocks (3, 3, 1): sublayer 6 starts the last block, so it reads the embedding and
+    the two completed blocks only (3 sources), and the output aggregation 4 sources."""
+    strategy = build("block", 7, (3, 3, 1), True, True)
+    assert strategy.num_blocks == 3 and strategy.block_size is None and strategy.block_sizes == (3, 3, 1)
+    assert "block_sizes=[3, 3, 1]" in repr(strategy)
+    strategy.record_next()
+    strategy(torch.randn(1, 2, D, dtype=torch.float64), make_sublayers(7))
+    counts = [strategy.recorded.weights[l].shape[0] for l in range(8)]
+    assert counts == [1, 2, 2, 2, 3, 3, 3, 4]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,12 +321,13 @@ def test_at_init_every_sublayer_reads_the_uniform_mean_of_its_sources(kind, L, N
     if kind == "full":
         expected_sources = [[e, *outputs[:l]] for l in range(L + 1)]
     else:
-        S = L // N
-        blocks = [e] + [sum(outputs[n * S : (n + 1) * S]) for n in range(N)]
+        sizes = sizes_of(L, N)
+        starts = [sum(sizes[:n]) for n in range(len(sizes))]
+        blocks = [e] + [sum(outputs[a : a + S]) for a, S in zip(starts, sizes, strict=True)]
         expected_sources = []
-        for l in range(L):
-            n, i = divmod(l, S)
-            expected_sources.append(blocks[: n + 1] + ([sum(outputs[n * S : l])] if i else []))
+        for n, (a, S) in enumerate(zip(starts, sizes, strict=True)):
+            for l in range(a, a + S):
+                expected_sources.append(blocks[: n + 1] + ([sum(outputs[a:l])] if l > a else []))
         expected_sources.append(blocks)
     for l in range(L):
         assert len(expected_sources[l]) == counts[l]
@@ -306,8 +383,48 @@ def test_standard_records_magnitudes_but_no_weights():
     ],
 )
 def test_num_blocks_must_divide_num_layers(L, num_blocks, valid):
-    with pytest.raises(ValueError, match=f"num_blocks={num_blocks}.*valid values: {valid}$"):
+    with pytest.raises(ValueError, match=f"num_blocks={num_blocks}.*block_sizes=.*valid values: {valid}$") as info:
         BlockAttentionResidual(D, L, num_blocks=num_blocks)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        pytest.param({"block_sizes": [4, 1]}, r"block_sizes=\[4, 1\] must be positive.*summing to the 6", id="sum"),
+        pytest.param({"block_sizes": [4, 2, 0]}, r"positive ints", id="zero"),
+        pytest.param({"block_sizes": [7, -1]}, r"positive ints", id="negative"),
+        pytest.param({"block_sizes": [4.0, 2]}, r"positive ints", id="float"),
+        pytest.param({"block_sizes": [True, 5]}, r"positive ints", id="bool"),
+        pytest.param({"block_sizes": []}, r"positive ints", id="empty"),
+        pytest.param({"block_sizes": "42"}, r"positive ints", id="string"),
+        pytest.param({"block_sizes": 6}, r"positive ints", id="int"),
+        pytest.param(
+            {"num_blocks": 3, "block_sizes": [4, 2]}, r"num_blocks=3 disagrees with block_sizes=\[4, 2\] \(2 blocks\)",
+            id="inconsistent",
+        ),
+        pytest.param({"num_blocks": 8, "block_sizes": [4, 2]}, r"num_blocks=8 disagrees", id="explicit-8"),
+    ],
+)
+def test_bad_block_sizes_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        BlockAttentionResidual(D, 6, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,sizes",
+    [
+        pytest.param({}, (1,) * 8, id="default-N8"),
+        pytest.param({"block_sizes": (5, 3)}, (5, 3), id="sizes-win-over-the-default"),
+        pytest.param({"num_blocks": 2, "block_sizes": [6, 2]}, (6, 2), id="consistent"),
+        pytest.param({"num_blocks": None, "block_sizes": [6, 2]}, (6, 2), id="num-blocks-none"),
+    ],
+)
+def test_block_sizes_and_num_blocks(kwargs, sizes):
+    strategy = BlockAttentionResidual(D, 8, **kwargs)
+    assert strategy.block_sizes == sizes and strategy.num_blocks == len(sizes)
+    assert type(strategy.num_blocks) is int  # not the default's marker type
 
 
 @pytest.mark.parametrize("cls", [StandardResidual, FullAttentionResidual, BlockAttentionResidual])

@@ -1,10 +1,12 @@
 """Block Attention Residuals (Kimi Team, arXiv 2603.15031).
 
-The L sublayers are cut into N consecutive blocks of S = L / N. The embedding is block
-b_0, a source of its own. b_n (n >= 1) is the plain sum of the outputs of block n's
-sublayers. The first sublayer of block n attends over the completed blocks
-[b_0, ..., b_{n-1}]; its i-th sublayer (i >= 2) also over the partial sum b_n^{i-1} of
-the block's first i-1 outputs. The output aggregates over all N + 1 blocks.
+The L sublayers are cut into N consecutive blocks of S = L / N, or of the sizes
+`block_sizes` gives (any positive sizes summing to L, e.g. a shorter last block where N
+does not divide L, as Megatron-LM allows). The embedding is block b_0, a source of its
+own. b_n (n >= 1) is the plain sum of the outputs of block n's sublayers. The first
+sublayer of block n attends over the completed blocks [b_0, ..., b_{n-1}]; its i-th
+sublayer (i >= 2) also over the partial sum b_n^{i-1} of the block's first i-1 outputs.
+The output aggregates over all N + 1 blocks.
 Memory O(N * D) per token; N = L is Full AttnRes exactly.
 
 Where this departs from an often-shared sketch of the same API, it follows the paper:
@@ -12,10 +14,11 @@ a block's empty partial sum is left out rather than attended to as a zero source
 the output is a final depth attention over all blocks, not the last block's partial sum.
 
 Fast path (two-phase, DESIGN.md section 4): a completed block never changes, so its key
-statistic is computed once; at the start of block n the S sublayers' queries meet all
+statistic is computed once; at the start of block n its S_n sublayers' queries meet all
 completed blocks in one batched pass (phase 1, `completed_attention`), and sublayer i >= 2
 then merges only its own partial sum into that result with an online-softmax update
-(phase 2, `merge_partial`).
+(phase 2, `merge_partial`). Unequal blocks take the same path: phase 1 serves any number
+of queries.
 """
 
 from __future__ import annotations
@@ -34,41 +37,88 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class _Default(int):
+    """An int default that knows it was not passed: the signature says `num_blocks=8` (the
+    paper's N), yet `block_sizes=[4, 2]` alone is not "inconsistent with num_blocks=8"."""
+
+
+DEFAULT_NUM_BLOCKS = _Default(8)
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def resolve_block_sizes(
+    num_layers: int, num_blocks: int | None = DEFAULT_NUM_BLOCKS, block_sizes: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """The sublayers per block, (S_1, ..., S_N), from `num_blocks` (equal blocks; N must divide
+    L) or `block_sizes` (positive ints summing to L; wins over a default `num_blocks`, and an
+    explicit `num_blocks` must then equal its length). Raises a one-line ValueError otherwise."""
+    if block_sizes is not None:
+        # any sequence of ints (a list, a tuple, Hydra's ListConfig), not a string
+        iterable = hasattr(block_sizes, "__iter__") and not isinstance(block_sizes, (str, bytes))
+        sizes = list(block_sizes) if iterable else None
+        if not sizes or not all(_is_count(n) and n >= 1 for n in sizes) or sum(sizes) != num_layers:
+            raise ValueError(
+                f"block_sizes={block_sizes!r} must be positive ints (sublayers per block) summing to the "
+                f"{num_layers} sublayers"
+            )
+        if num_blocks is not DEFAULT_NUM_BLOCKS and num_blocks is not None and num_blocks != len(sizes):
+            raise ValueError(
+                f"num_blocks={num_blocks} disagrees with block_sizes={sizes} ({len(sizes)} blocks); give one of them"
+            )
+        return tuple(sizes)
+    if not _is_count(num_blocks) or num_blocks < 1 or num_layers % num_blocks != 0:
+        raise ValueError(
+            f"num_blocks={num_blocks} must divide the {num_layers} sublayers (2 per transformer layer), or give "
+            f"block_sizes=[...] (sublayers per block, summing to {num_layers}) for unequal blocks; "
+            f"valid values: {', '.join(map(str, _divisors(num_layers)))}"
+        )
+    return (num_layers // num_blocks,) * num_blocks
+
+
 class BlockAttentionResidual(DepthAttentionResidual):
     """Block AttnRes as a drop-in module: `forward(embedding, sublayers, **kw)` or
     `forward(encoder, src, mask=None, src_key_padding_mask=None, is_causal=None)`.
 
     Owns `num_layers + 1` pseudo-queries and key norms; the last is the output
-    aggregation, which `forward` returns. `num_layers % num_blocks != 0` is a ValueError.
+    aggregation, which `forward` returns. Blocks are `num_blocks` equal ones
+    (`num_layers % num_blocks != 0` is a ValueError naming the valid values), or
+    `block_sizes`, the sublayers per block (positive, summing to `num_layers`; a shorter
+    last block, say). With `block_sizes`, `num_blocks` may be left out; given, it must
+    equal `len(block_sizes)`. `self.block_sizes` is the tuple either way, `self.block_size`
+    the common S of equal blocks (None for unequal ones).
     """
 
     def __init__(
         self,
         d_model: int,
         num_layers: int,
-        num_blocks: int = 8,
+        num_blocks: int = DEFAULT_NUM_BLOCKS,
         eps: float = 1e-6,
         key_norm_gain: bool = True,
         output_aggregation: bool = True,
         kernel: str = "auto",
+        block_sizes: Sequence[int] | None = None,
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1 or num_layers % num_blocks != 0:
-            raise ValueError(
-                f"num_blocks={num_blocks} must divide the {num_layers} sublayers "
-                f"(2 per transformer layer); valid values: {', '.join(map(str, _divisors(num_layers)))}"
-            )
+        sizes = resolve_block_sizes(num_layers, num_blocks, block_sizes)
         super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel)
-        self.num_blocks = num_blocks
-        self.block_size = num_layers // num_blocks  # S, sublayers per block
+        self.block_sizes = sizes
+        self.num_blocks = len(sizes)
+        self.block_size = sizes[0] if len(set(sizes)) == 1 else None  # S, sublayers per block, if equal
+        # the first sublayer of each block: where the partial sum is closed into a completed block
+        self._starts = tuple(sum(sizes[:n]) for n in range(len(sizes)))
 
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         kernel = self.fast_kernel(embedding)
         if kernel is not None:
             return self._run_two_phase(embedding, sublayers, sublayer_kwargs, kernel)
+        starts = set(self._starts)
         blocks = [embedding]  # completed blocks, each (B, T, D)
         partial: Tensor | None = None  # b_n^i; None while block n has no output yet
         for index, sublayer in enumerate(sublayers):
-            if index > 0 and index % self.block_size == 0:
+            if index > 0 and index in starts:
                 blocks.append(partial)
                 partial = None
             h = self.attend(index, blocks if partial is None else [*blocks, partial])
@@ -80,10 +130,10 @@ class BlockAttentionResidual(DepthAttentionResidual):
     def _run_two_phase(
         self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any], kernel: str
     ) -> Tensor:
-        S, eps = self.block_size, self.eps
+        eps = self.eps
         queries = self.fast_queries(embedding)  # (L + 1, D)
         blocks, inv_rms = [embedding], [key_inv_rms(embedding, eps, kernel)]  # completed blocks, (B, T) each
-        for start in range(0, self.num_layers, S):
+        for start, S in zip(self._starts, self.block_sizes, strict=True):
             # phase 1: the S queries of this block against all completed blocks, one pass
             accs, lse = completed_attention(blocks, torch.stack(inv_rms), queries[start : start + S], eps, kernel)
             partial: Tensor | None = None
@@ -101,4 +151,7 @@ class BlockAttentionResidual(DepthAttentionResidual):
         return self.fast_output(blocks, inv_rms, queries, kernel)
 
     def extra_repr(self) -> str:
-        return f"num_blocks={self.num_blocks}, " + super().extra_repr()
+        blocks = f"num_blocks={self.num_blocks}"
+        if self.block_size is None:
+            blocks += f", block_sizes={list(self.block_sizes)}"
+        return f"{blocks}, " + super().extra_repr()
