@@ -14,9 +14,15 @@ their labels as metadata) by the same code that drew the TensorBoard image
     grad_norm.png   gradient norm of each Transformer layer
 
 at the last logged step, or the last one at or before `--step`. A run folder is one that holds
-a `tb/` folder with event files; given any other folder, every run folder below it is done,
-and when two or more of them have the same depth the sweep also gets
-`plots/compare_magnitude.png` and `plots/compare_grad_norm.png`, one line per run.
+TensorBoard event files (or, from older versions, a `tb/` folder holding them); given any
+other folder, every run folder below it is done, and when two or more of them have the same
+depth the sweep also gets
+
+    compare_magnitude.png   two panels over depth: each sublayer's input RMS, then its output RMS
+    compare_grad_norm.png   the gradient norm of each Transformer layer
+
+in `plots/`, one line per run, coloured by strategy (the seeds of one strategy in shades of
+its colour), the legend beside the panels.
 """
 
 from __future__ import annotations
@@ -35,18 +41,24 @@ EVENTS = "events.out.tfevents.*"
 FILES = {"depth/heatmap": "heatmap.png", "magnitude/plot": "magnitude.png", "grad_norm/plot": "grad_norm.png"}
 
 
+def events_dir(run: Path) -> Path:
+    """Where a run's event files are: the run folder itself, or `tb/` in runs of older versions."""
+    return run / "tb" if not any(run.glob(EVENTS)) and any((run / "tb").glob(EVENTS)) else run
+
+
 def find_runs(root: Path) -> list[Path]:
     """`root` itself when it is a run folder, else every run folder below it, sorted."""
-    if any((root / "tb").glob(EVENTS)):
+    if any(events_dir(root).glob(EVENTS)):
         return [root]
-    return sorted(tb.parent for tb in root.rglob("tb") if tb.is_dir() and any(tb.glob(EVENTS)))
+    folders = {f.parent for f in root.rglob(EVENTS)}
+    return sorted({f.parent if f.name == "tb" and not any(f.parent.glob(EVENTS)) else f for f in folders})
 
 
 def read_figure_data(run: Path, step: int | None) -> dict[str, tuple[int, np.ndarray, dict]]:
     """image tag -> (step, raw array, metadata) of each figure the run logged."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run / "tb"), size_guidance={"tensors": 0, "images": 1, "scalars": 1,
+    acc = EventAccumulator(str(events_dir(run)), size_guidance={"tensors": 0, "images": 1, "scalars": 1,
                                                            "histograms": 1, "compressedHistograms": 1})
     acc.Reload()
     found = {}
@@ -80,26 +92,46 @@ def plot_run(run: Path, out: Path, step: int | None) -> dict[str, tuple[int, np.
 
 
 def compare(results: dict[str, dict], out: Path) -> None:
-    """Overlay the runs' output magnitudes and gradient norms when their depths agree."""
-    for tag, row, name, ylabel in (("magnitude/plot", 1, "compare_magnitude.png", "output RMS of each sublayer"),
-                                   ("grad_norm/plot", None, "compare_grad_norm.png", "gradient norm per layer")):
+    """Overlay the runs' magnitudes (input and output RMS) and gradient norms when their depths agree."""
+    for tag, name, panels, xlabel in (
+        ("magnitude/plot", "compare_magnitude.png",
+         ((0, "input RMS (what each sublayer reads)"), (1, "output RMS (what it writes)")), "sublayer (depth)"),
+        ("grad_norm/plot", "compare_grad_norm.png", ((None, "gradient norm per layer"),),
+         "Transformer layer (depth)"),
+    ):
         runs = {run: data[tag] for run, data in results.items() if tag in data}
         labels = {tuple(meta["labels"]) for _, _, meta in runs.values()}
         if len(runs) < 2 or len(labels) != 1:
             continue
         short = short_names(sorted(runs))
-        series = {short[run]: (array[row] if row is not None else array) for run, (_, array, _) in runs.items()}
-        xlabel = "sublayer (depth)" if row is not None else "Transformer layer (depth)"
-        fig = figures.depth_profile(series, next(iter(labels)), f"{len(runs)} runs, last logged step\n{ylabel}",
-                                    ylabel, xlabel)
+        order = sorted(runs, key=lambda run: (_strategy_rank(runs[run][2]["strategy"]), short[run]))
+        strategies = {short[run]: runs[run][2]["strategy"] for run in order}
+        series = [(ylabel, {short[run]: (runs[run][1][row] if row is not None else runs[run][1]) for run in order})
+                  for row, ylabel in panels]
+        what = "RMS of each sublayer's input and output" if len(panels) > 1 else panels[0][1]
+        steps = sorted({at for at, _, _ in runs.values()})
+        at = f"step {steps[0]}" if len(steps) == 1 else "last logged step"
+        fig = figures.compare_profiles(series, strategies, next(iter(labels)), f"{len(runs)} runs, {at}\n{what}",
+                                       xlabel)
         out.mkdir(parents=True, exist_ok=True)
         figures.save_png(fig, out / name)
         print(f"sweep: wrote {out / name}")
 
 
+def _strategy_rank(strategy: str) -> tuple[int, str]:
+    """Standard first, then Block AttnRes by N, then Full, then anything else."""
+    if strategy.startswith("Standard"):
+        return 0, ""
+    if strategy.startswith("Block"):
+        digits = "".join(ch for ch in strategy if ch.isdigit())
+        return 1, digits.zfill(6)
+    return (2, "") if strategy.startswith("Full") else (3, strategy)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path, help="a run folder (holding tb/) or a sweep folder holding run folders")
+    parser.add_argument("folder", type=Path,
+                        help="a run folder (holding event files) or a sweep folder holding run folders")
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: <run>/plots)")
     parser.add_argument("--step", type=int, default=None, help="draw the last logged step at or before this one")
     args = parser.parse_args(argv)
@@ -107,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = find_runs(root) if root.is_dir() else []
     if not runs:
         print(f"plot_run.py: error: no TensorBoard event files under {root} "
-              f"(expected {root}/tb/{EVENTS} or {root}/<run>/tb/{EVENTS})", file=sys.stderr)
+              f"(expected {root}/{EVENTS} or {root}/<run>/{EVENTS})", file=sys.stderr)
         return 2
     results = {}
     for run in runs:
