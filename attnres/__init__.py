@@ -1,7 +1,8 @@
 """attnres: Attention Residuals (Kimi Team, arXiv 2603.15031) in plain PyTorch.
 
-`import attnres` loads only torch: functional ops, residual strategies (drop-in modules)
-and the Transformer. The Lightning/Hydra runner lives in `attnres.training` and `cli.py`.
+`import attnres` loads only torch: functional ops, residual strategies (drop-in modules),
+`TransformerEncoder` (torch's, with `residual=`) and the Transformer. The Lightning/Hydra
+runner lives in `attnres.training` and `cli.py`.
 """
 
 from attnres import functional
@@ -13,6 +14,7 @@ from attnres.residual import (
     FullAttentionResidual,
     ResidualStrategy,
     StandardResidual,
+    TransformerEncoder,
 )
 
 __version__ = "0.1.0"
@@ -25,5 +27,6 @@ __all__ = [
     "ResidualStrategy",
     "StandardResidual",
     "Transformer",
+    "TransformerEncoder",
     "functional",
 ]

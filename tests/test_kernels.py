@@ -335,6 +335,7 @@ STRATEGY_CASES = [
     ("block", 6, 2, False, False),
     ("block", 6, (4, 2), True, True),  # block_sizes: a shorter last block
     ("block", 7, (3, 3, 1), True, True),  # an odd stack
+    ("block", 7, (2, 3, 2), True, True),  # the middle block the longest
     ("block", 7, (1, 6), False, False),  # a block of 6 > 4 queries after one of 1
     ("full", 3, None, True, True),
     ("full", 9, None, True, True),  # chunks of C = 3 sublayers

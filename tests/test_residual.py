@@ -88,6 +88,7 @@ CONFIGS = [
     ("block", 6, (4, 2), True, True),
     ("block", 7, (3, 3, 1), True, True),
     ("block", 7, (2, 5), False, True),
+    ("block", 7, (2, 3, 2), True, True),  # the middle block the longest
     ("block", 5, (1, 1, 3), True, False),
 ]
 

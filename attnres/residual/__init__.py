@@ -2,6 +2,7 @@
 
 from attnres.residual.base import DepthAttentionResidual, DepthRecord, ResidualStrategy
 from attnres.residual.block import BlockAttentionResidual
+from attnres.residual.encoder import TransformerEncoder
 from attnres.residual.full import FullAttentionResidual
 from attnres.residual.standard import StandardResidual
 
@@ -12,4 +13,5 @@ __all__ = [
     "FullAttentionResidual",
     "ResidualStrategy",
     "StandardResidual",
+    "TransformerEncoder",
 ]
