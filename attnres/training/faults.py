@@ -30,7 +30,8 @@ from attnres.training.errors import ConfigError
 
 log = logging.getLogger("attnres")
 
-#: what `overwrite=true` removes from a run folder (Hydra writes `.hydra/` and the log first)
+#: what `overwrite=true` removes from a run folder (Hydra writes `.hydra/` and the log first),
+#: besides TensorBoard's event files (`tb/` is where runs before them kept theirs)
 PREVIOUS_RUN_FILES = ("checkpoints", "tb", "metrics.json", "plots", "slot.json")
 #: exit status of a run stopped by a signal: the shell's convention, 128 + signal number
 SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
@@ -103,7 +104,8 @@ def clear_previous_run(run_dir: Path) -> list[str]:
     of it can be resumed or mistaken for the new run's. Each entry is first renamed aside (one
     atomic step), so a crash midway never leaves a half-deleted `checkpoints/` under its name."""
     removed = []
-    for name in PREVIOUS_RUN_FILES:
+    events = sorted(p.name for p in run_dir.glob("events.out.tfevents.*"))  # TensorBoard writes them here
+    for name in (*PREVIOUS_RUN_FILES, *events):
         path = run_dir / name
         if not path.exists():
             continue
