@@ -281,3 +281,14 @@ def test_write_json_never_writes_nan(tmp_path, value):
     text = (tmp_path / "m.json").read_text()
     assert json.loads(text) == {"metrics": {"val/loss": None, "ok": 1.5}, "list": [None]}
     assert finite_json({"a": (value, 2)}) == {"a": [None, 2]}
+
+
+def test_clear_previous_run_removes_every_output_of_the_old_run(tmp_path):
+    from attnres.training.faults import clear_previous_run
+
+    for name in ("checkpoints/last.ckpt", "checkpoints/best.ckpt", "tb/events.out.tfevents.1", "plots/heatmap.png",
+                 "events.out.tfevents.123.host.1", "metrics.json", ".hydra/config.yaml", "attnres.log"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("old")
+    clear_previous_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "attnres.log"]  # the new run's, from Hydra
