@@ -1,14 +1,19 @@
 """Sweep summaries: one row per job in summary.csv and summary.md, and summary.png with the
 final validation metric by residual and num_blocks (mean and spread over seeds).
 
-Rebuilt from the run folders alone, so `experiments/summarize.py SWEEP_DIR` can redo it.
+Rebuilt from the run folders alone, so `experiments/summarize.py SWEEP_DIR` can redo it. A run
+folder is any folder below the sweep folder that holds `.hydra/`; a job is labelled by the
+overrides of `.hydra/overrides.yaml` that differ between the jobs, not by its folder name.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import os
+import re
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,48 @@ from attnres.training.io import atomic_write, read_json
 
 COLUMNS = ["job", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
            "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error"]
+#: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed
+#: before it could say); "duplicate": the same run as another job of the sweep, not run again
+STATUS_ORDER = ("finished", "failed", "interrupted", "unfinished", "duplicate")
+#: the keys that do not name a run folder (conf/config.yaml: hydra.job.config.override_dirname)
+DEFAULT_EXCLUDED = ("name", "resume", "ckpt_path", "overwrite", "trainer.enable_progress_bar", "data.num_workers")
+_NEXT_OVERRIDE = re.compile(r",(?=[+~]{0,2}[A-Za-z_][\w.\-/@]*=)")
+
+
+def find_job_dirs(sweep_dir: Path) -> list[Path]:
+    """Every run folder (a folder holding `.hydra/`) below `sweep_dir`, at any depth, sorted."""
+    found = []
+    for folder, subfolders, _ in os.walk(sweep_dir):
+        if ".hydra" in subfolders and Path(folder) != Path(sweep_dir):
+            found.append(Path(folder))
+            subfolders.clear()  # a run folder holds no other run folder
+        else:
+            subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+    return sorted(found)
+
+
+def job_overrides(run_dir: Path) -> dict[str, str] | None:
+    """The overrides that name this run (`.hydra/overrides.yaml` less the excluded keys), or None."""
+    hydra_dir = run_dir / ".hydra"
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml"))
+    except (OSError, ValueError):
+        return None
+    excluded: Any = DEFAULT_EXCLUDED
+    try:
+        excluded = OmegaConf.load(hydra_dir / "hydra.yaml").hydra.job.config.override_dirname.exclude_keys
+    except Exception:  # no hydra.yaml (hand-made folder) or another layout: the defaults
+        pass
+    return parse_overrides([str(o) for o in overrides or []], excluded)
+
+
+def parse_overrides(overrides: list[str], excluded: Any = ()) -> dict[str, str]:
+    parsed = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.lstrip("+~") not in excluded:
+            parsed[key] = value
+    return parsed
 
 
 def _job_row(run_dir: Path) -> dict[str, Any]:
@@ -32,7 +79,7 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
         row["num_blocks"] = cfg.get("num_blocks") if "num_blocks" in cfg.get("residual", {}) else "-"
         row["seed"] = cfg.get("seed")
     metrics = read_json(run_dir / "metrics.json")
-    row["status"] = metrics.get("status", "not finished")
+    row["status"] = metrics.get("status") or "unfinished"
     for key in ("val/loss", "val/bpb", "val/accuracy"):
         row[key] = metrics.get("metrics", {}).get(key)
     peak = metrics.get("peak_memory_bytes")
@@ -44,26 +91,50 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
     return row
 
 
+def job_labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Job name -> only the overrides (key -> value) that differ between the jobs, as k=v,k=v."""
+    keys = sorted({k for kv in overrides.values() for k in kv})
+    varying = [k for k in keys if len({kv.get(k) for kv in overrides.values()}) > 1]
+    return {n: ",".join(f"{k}={kv[k]}" for k in varying if k in kv) or n for n, kv in overrides.items()}
+
+
 def short_names(names: list[str]) -> dict[str, str]:
-    """Job folder name -> only the overrides that differ between the jobs of the sweep."""
-    parsed = {n: dict(kv.split("=", 1) for kv in n.split(",") if "=" in kv) for n in names}
-    keys = sorted({k for kv in parsed.values() for k in kv})
-    varying = [k for k in keys if len({kv.get(k) for kv in parsed.values()}) > 1]
-    return {n: ",".join(f"{k}={parsed[n][k]}" for k in varying if k in parsed[n]) or n for n in names}
+    """Job folder name -> only the overrides that differ between the jobs of the sweep (parsed from
+    the names; `collect_rows` reads each job's `.hydra/overrides.yaml` instead)."""
+    return job_labels({n: parse_overrides(_NEXT_OVERRIDE.split(Path(n).name)) for n in names})
+
+
+def status_counts(statuses: list[str]) -> Counter:
+    return Counter(str(s).split(" ")[0] for s in statuses)
+
+
+def format_counts(counts: Counter) -> str:
+    """`4 jobs, 3 finished, 1 failed`: the statuses in STATUS_ORDER, then any others."""
+    kinds = [k for k in STATUS_ORDER if counts.get(k)] + sorted(k for k in counts if k not in STATUS_ORDER)
+    return ", ".join([f"{sum(counts.values())} jobs", *(f"{counts[k]} {k}" for k in kinds)])
 
 
 def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
-    """A row per job folder, plus one per job that was skipped as a duplicate of another."""
+    """A row per run folder, plus one per job that was skipped as a duplicate of another."""
+    sweep_dir = Path(sweep_dir)
     notes = read_json(sweep_dir / "jobs.json")
-    rows = {d.name: _job_row(d) for d in sorted(sweep_dir.iterdir()) if (d / ".hydra").is_dir()}
+    rows, overrides = {}, {}
+    for run_dir in find_job_dirs(sweep_dir):
+        name = run_dir.relative_to(sweep_dir).as_posix()
+        rows[name] = _job_row(run_dir)
+        found = job_overrides(run_dir)
+        overrides[name] = found if found is not None else parse_overrides(_NEXT_OVERRIDE.split(run_dir.name))
     for name, note in sorted(notes.items()):
         if note.get("status") == "duplicate" and note.get("same_as") in rows:
             rows[name] = {**rows[note["same_as"]], "job": name, "status": "duplicate", "same_as": note["same_as"]}
-    short = short_names(sorted(rows))
+            listed = note.get("overrides")
+            overrides[name] = (parse_overrides(listed, DEFAULT_EXCLUDED) if listed is not None
+                               else parse_overrides(_NEXT_OVERRIDE.split(Path(name).name)))
+    labels = job_labels(overrides)
     for name, row in rows.items():
-        row["job"] = short[name]
+        row["job"] = labels[name]
         if row.get("same_as"):
-            row["status"] = f"duplicate of {short[row.pop('same_as')]}"
+            row["status"] = f"duplicate of {labels[row.pop('same_as')]}"
     order = sorted(rows.values(), key=lambda r: (str(r.get("residual")), str(r.get("num_blocks")),
                                                  str(r.get("seed")), r["job"]))
     return order
@@ -93,10 +164,9 @@ def write_sweep_summary(sweep_dir: str | Path) -> list[dict[str, Any]]:
     writer.writerows({k: _fmt(r.get(k)) for k in COLUMNS} for r in rows)
     atomic_write(sweep_dir / "summary.csv", lambda f: f.write(buffer.getvalue().encode()))
 
-    kinds = [str(r["status"]).split(" ")[0] for r in rows]
-    counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
+    total, _, counts = format_counts(status_counts([r["status"] for r in rows])).partition(", ")
     lines = [f"# Sweep {sweep_dir.name}", "",
-             f"{len(rows)} jobs: {counts}. The job column lists the overrides that differ.", ""]
+             f"{total}{': ' + counts if counts else ''}. The job column lists the overrides that differ.", ""]
     lines.append("| " + " | ".join(COLUMNS) + " |")
     lines.append("|" + "---|" * len(COLUMNS))
     for r in rows:
@@ -140,10 +210,28 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: writes the summary when a sweep ends, whichever launcher ran it."""
+    """Hydra callback, whichever launcher runs the sweep: locks the sweep folder when the sweep
+    starts (a second sweep into it is refused), and writes the summary when it ends, closing with
+    one line that counts how this sweep's jobs ended (`sweep.exit_status` reads the counts)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from attnres.training import sweep
+        from attnres.training.run import user_errors
+
+        with user_errors():  # before Hydra writes anything into the folder
+            sweep.lock_sweep_dir(Path(str(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from attnres.training import sweep
+
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        if sweep_dir.is_dir():
-            write_sweep_summary(sweep_dir)
-            print(f"sweep summary: {sweep_dir / 'summary.md'}")
+        if not sweep_dir.is_dir():
+            return
+        counts = sweep.record_outcome(sweep_dir)  # first: exit_status must not depend on the plot
+        if not counts:  # launchers that never call ours (basic, SLURM) with nothing to run
+            from attnres.training.run import user_errors
+
+            with user_errors():
+                raise sweep.no_jobs_error(config)
+        write_sweep_summary(sweep_dir)
+        print(f"sweep: {format_counts(counts)} -> {sweep_dir / 'summary.md'}", flush=True)
