@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres.training.summary import short_names
+from attnres.training.summary import find_job_dirs, job_labels, job_overrides
 from attnres.training.sweep import Slot, plan_slots
 
 pytestmark = pytest.mark.slow
@@ -29,8 +29,10 @@ def attnres_run(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Co
 
 
 def job_dirs(sweep: Path) -> dict[str, Path]:
-    return {name: sweep / full for full, name in short_names(
-        sorted(d.name for d in sweep.iterdir() if (d / ".hydra").is_dir())).items()}
+    """The sweep's run folders by the overrides that differ between them (as the summary labels them)."""
+    dirs = find_job_dirs(sweep)
+    labels = job_labels({d.name: job_overrides(d) or {} for d in dirs})
+    return {labels[d.name]: d for d in dirs}
 
 
 def metrics(run_dir: Path) -> dict:
@@ -60,50 +62,59 @@ def test_two_simulated_gpus_never_share_a_slot(tmp_path):
 
 
 def test_dedup_failure_isolation_and_resume(tmp_path):
-    # standard ignores num_blocks: 2 jobs are one run; block with num_blocks=3 cannot be built (fails);
-    # a strategy that kills its own process stands for a job killed by the OS
+    # standard ignores num_blocks: 2 jobs are one run; a strategy that raises stands for a job that
+    # fails, one that kills its own process for a job killed by the OS (the command-line checks
+    # build only attnres's own strategies, so both get as far as the job)
     (tmp_path / "killer.py").write_text(
         "import os, signal\nfrom attnres import StandardResidual\n"
         "class Killer(StandardResidual):\n"
         "    def __init__(self, *args, **kwargs):\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "class Raiser(StandardResidual):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        raise RuntimeError('boom: this strategy always fails')\n"
     )
-    args = ["-m", *TINY, "residual=standard,block", "num_blocks=2,3", "hydra.sweep.dir=sweep",
-            f"hydra.launcher.lock_dir={tmp_path}/locks"]
+    lock_dir = f"hydra.launcher.lock_dir={tmp_path}/locks"
+    args = ["-m", *TINY, "residual=standard,block", "num_blocks=2,4", "hydra.sweep.dir=sweep", lock_dir]
     first = attnres_run(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
-    kill = attnres_run("-m", *TINY, "residual._target_=killer.Killer", "seed=5", "hydra.sweep.dir=sweep",
-                       f"hydra.launcher.lock_dir={tmp_path}/locks", cwd=tmp_path)
-    assert kill.returncode == 0, kill.stderr[-4000:]
+    assert first.stdout.splitlines()[-1] == "sweep: 4 jobs, 3 finished, 1 duplicate -> sweep/summary.md"
+    assert "duplicate of" in (tmp_path / "sweep" / "summary.md").read_text()
+    bad = ["-m", *TINY, "residual._target_=killer.Killer,killer.Raiser", "seed=5", "hydra.sweep.dir=sweep", lock_dir]
+    failing = attnres_run(*bad, cwd=tmp_path)
+    assert failing.returncode == 1, failing.stderr[-4000:]  # its jobs failed: the sweep says so
+    assert failing.stdout.splitlines()[-1] == "sweep: 2 jobs, 2 failed -> sweep/summary.md"
 
     jobs = job_dirs(tmp_path / "sweep")
     ran = {name for name, d in jobs.items() if (d / "metrics.json").exists()}
     notes = json.loads((tmp_path / "sweep" / "jobs.json").read_text())
-    assert len(ran) == 4  # standard once, block 2, block 3 (failed), the killed one
+    assert len(ran) == 5  # standard once, block 2, block 4, the killed one, the failed one
     block2 = next(d for n, d in jobs.items() if "num_blocks=2" in n and "residual=block" in n)
-    block3 = next(d for n, d in jobs.items() if "num_blocks=3" in n and "residual=block" in n)
     killed = next(d for n, d in jobs.items() if "Killer" in n)
+    raised = next(d for n, d in jobs.items() if "Raiser" in n)
     assert metrics(block2)["status"] == "finished"
-    assert metrics(block3)["status"] == "failed" and "valid values: 1, 2, 4" in metrics(block3)["error"]
+    assert metrics(raised)["status"] == "failed" and "boom" in metrics(raised)["error"]
     assert metrics(killed)["status"] == "failed" and "SIGKILL" in metrics(killed)["error"]
     standard = [d for n, d in jobs.items() if "residual=standard" in n]
     assert sum((d / "metrics.json").exists() for d in standard) == 1, "identical jobs both ran"
-    # jobs.json is rewritten by each sweep; the summary below is rebuilt from all folders
-    assert not notes or all(n["status"] in ("duplicate", "finished") for n in notes.values())
+    assert not notes  # jobs.json is rewritten by each sweep; the summary is rebuilt from all folders
 
-    first_summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert "failed" in first_summary and "finished" in first_summary
+    # the summary covers every run folder; jobs.json (the duplicates) is the last sweep's
+    assert "5 jobs: 3 finished, 2 failed." in (tmp_path / "sweep" / "summary.md").read_text()
 
     finished_before = (block2 / "metrics.json").stat().st_mtime_ns
     again = attnres_run(*args, "resume=true", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-4000:]
     notes = json.loads((tmp_path / "sweep" / "jobs.json").read_text())
-    assert sum(n.get("skipped", False) for n in notes.values()) == 2  # standard and block N=2 were finished
+    assert sum(n.get("skipped", False) for n in notes.values()) == 3  # standard and block N=2, 4 were finished
     assert sum(n["status"] == "duplicate" for n in notes.values()) == 1
     assert (block2 / "metrics.json").stat().st_mtime_ns == finished_before, "a finished job ran again"
-    assert metrics(block3)["status"] == "failed"  # the unfinished one ran again (and fails again)
-    summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert "duplicate of" in summary and "valid values" in summary
+
+    failed_before = (raised / "metrics.json").stat().st_mtime_ns
+    retried = attnres_run(*bad, "resume=true", cwd=tmp_path)
+    assert retried.returncode == 1, retried.stderr[-4000:]
+    assert (raised / "metrics.json").stat().st_mtime_ns != failed_before, "an unfinished job did not run again"
+    assert metrics(raised)["status"] == "failed" and "boom" in (tmp_path / "sweep" / "summary.md").read_text()
 
 
 def test_ddp_two_processes_on_cpu(tmp_path):
