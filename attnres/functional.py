@@ -15,6 +15,16 @@ Every op takes sources of any leading shape, (..., D): (B, T, D) in a Transforme
 (D,) for one token or (B, H, T, D); the statistics and weights have the leading shape (...),
 and the result is what the same op gives on the sources flattened to (M, D).
 
+`output_norm_weight=` (D,) on `depth_attention`, `block_attn_res` and `full_attn_res` fuses the
+next sublayer's pre-norm into the op, as flash-linear-attention does: the op returns
+RMSNorm(h) * output_norm_weight (the op's eps, float32 statistics, float64 for float64 inputs)
+in place of h, computed from h before it is rounded to the input dtype, with gradients for the
+weight too. The Triton kernels apply it in registers (forward) and take it back out of the
+incoming gradient (backward): no pass over memory of its own. Without gradients they write
+only the normed result; with gradients they also write h, which the backward reads (a separate
+RMSNorm would keep its input too, and add a read of h forward and a write and read of dh
+backward). The "torch" and "naive" paths compute the same in plain PyTorch.
+
 The two-phase API (`key_inv_rms`, `completed_attention`, `merge_partial`) is what the
 residual strategies use: statistics of a completed source computed once, the queries of
 several sublayers against all completed sources in one pass (phase 1), and each sublayer's
@@ -99,7 +109,13 @@ def _impl(kernel: str) -> ModuleType:
     return torch_fused
 
 
-def _check(sources: Sequence[Tensor], pseudo_query: Tensor, norm_weight: Tensor | None, eps: float) -> None:
+def _check(
+    sources: Sequence[Tensor],
+    pseudo_query: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    output_norm_weight: Tensor | None = None,
+) -> None:
     if not sources:
         raise ValueError("depth attention needs at least one source, got none")
     if not (isinstance(eps, (int, float)) and eps > 0):
@@ -123,8 +139,9 @@ def _check(sources: Sequence[Tensor], pseudo_query: Tensor, norm_weight: Tensor 
     d = first.shape[-1]
     if pseudo_query.shape != (d,):
         raise ValueError(f"pseudo_query must have shape ({d},) to match D={d}, got {tuple(pseudo_query.shape)}")
-    if norm_weight is not None and norm_weight.shape != (d,):
-        raise ValueError(f"norm_weight must have shape ({d},) to match D={d}, got {tuple(norm_weight.shape)}")
+    for name, weight in (("norm_weight", norm_weight), ("output_norm_weight", output_norm_weight)):
+        if weight is not None and weight.shape != (d,):
+            raise ValueError(f"{name} must have shape ({d},) to match D={d}, got {tuple(weight.shape)}")
 
 
 def depth_attention(
@@ -133,6 +150,7 @@ def depth_attention(
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
     kernel: str = "auto",
+    output_norm_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention over the depth axis.
 
@@ -140,14 +158,15 @@ def depth_attention(
     `norm_weight`: optional (D,) key RMSNorm gain. Returns `(h, weights)` with h (..., D)
     and weights (S, ...), both in the sources' dtype: statistics, logits and softmax are
     float32 (float64 for float64 sources) inside, rounded once at the end.
-    `kernel` picks the implementation (module docstring).
+    `kernel` picks the implementation (module docstring). With `output_norm_weight` (D,),
+    the first result is RMSNorm(h) * output_norm_weight instead of h (module docstring).
     """
     sources = list(sources)
-    _check(sources, pseudo_query, norm_weight, eps)
+    _check(sources, pseudo_query, norm_weight, eps, output_norm_weight)
     kernel = resolve_kernel(kernel, sources[0])
     if kernel == "naive":
-        return naive_depth_attention(sources, pseudo_query, norm_weight, eps)
-    return _impl(kernel).fused_depth_attention(sources, pseudo_query, norm_weight, eps)
+        return naive_depth_attention(sources, pseudo_query, norm_weight, eps, output_norm_weight)
+    return _impl(kernel).fused_depth_attention(sources, pseudo_query, norm_weight, eps, output_norm_weight)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,6 +227,7 @@ def full_attn_res(
     pseudo_query: Tensor,
     eps: float = 1e-6,
     kernel: str = "auto",
+    output_norm_weight: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Full AttnRes input for one sublayer: depth attention over `[embedding, *previous_outputs]`.
 
@@ -215,7 +235,9 @@ def full_attn_res(
     sequence of (..., D) tensors (layers may be 0); `pseudo_query`: (D,). No key-norm gain.
     Returns {"retrieved_representation": (..., D), "attention_weights": (S, ...)} with
     S = layers + 1, both in the input dtype (float32 statistics inside); the weights sum to 1
-    per token. `kernel`: see the module docstring.
+    per token. With `output_norm_weight` (D,), "retrieved_representation" is
+    RMSNorm(h) * output_norm_weight (the next sublayer's pre-norm, fused). `kernel`: see the
+    module docstring.
     """
     if isinstance(previous_outputs, Tensor):
         if previous_outputs.dim() != embedding.dim() + 1:
@@ -224,7 +246,7 @@ def full_attn_res(
                 f"(layers, {', '.join(map(str, embedding.shape))}), got shape {tuple(previous_outputs.shape)}"
             )
         previous_outputs = list(previous_outputs.unbind(0))  # views, no copy
-    h, weights = depth_attention([embedding, *previous_outputs], pseudo_query, None, eps, kernel)
+    h, weights = depth_attention([embedding, *previous_outputs], pseudo_query, None, eps, kernel, output_norm_weight)
     return {"retrieved_representation": h, "attention_weights": weights}
 
 
@@ -236,6 +258,7 @@ def block_attn_res(
     eps: float = 1e-6,
     return_weights: bool = False,
     kernel: str = "auto",
+    output_norm_weight: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block AttnRes input for one sublayer: depth attention over `blocks + [partial_block]`.
 
@@ -243,10 +266,10 @@ def block_attn_res(
     running sum of the current block's outputs, or None when the block has none yet (an
     empty partial sum is left out, never attended to as zeros); all (..., D) of one shape.
     Returns h (..., D), or `(h, weights)` with weights (S, ...) when `return_weights`, both
-    in the input dtype.
-    `kernel`: see the module docstring.
+    in the input dtype. With `output_norm_weight` (D,), h is RMSNorm(h) * output_norm_weight
+    (the next sublayer's pre-norm, fused). `kernel`: see the module docstring.
     """
     sources = [*blocks] if partial_block is None else [*blocks, partial_block]
-    h, weights = depth_attention(sources, pseudo_query, norm_weight, eps, kernel)
+    h, weights = depth_attention(sources, pseudo_query, norm_weight, eps, kernel, output_norm_weight)
     return (h, weights) if return_weights else h
 

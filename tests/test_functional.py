@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnres.functional import block_attn_res, depth_attention, full_attn_res, triton_available
 
@@ -322,6 +323,101 @@ def test_any_leading_shape(lead, D, layout, op, kernel, rel_err, ref_depth_atten
 
 
 # ------------------------------------------------------------------------------------------------
+# the fused output RMSNorm (output_norm_weight=)
+# ------------------------------------------------------------------------------------------------
+
+
+def ref_output_norm(h, weight, eps=1e-6):
+    """float64 RMSNorm of the op's result, written from its definition."""
+    h = h.to(torch.float64)
+    return h / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(torch.float64)
+
+
+def onorm_params():
+    """(kernel, dtype): every implementation, float64 where it takes it, Triton interpreted on CPU."""
+    params = []
+    for kernel in KERNEL_PARAMS:
+        name = kernel if isinstance(kernel, str) else kernel.values[0]
+        marks = () if isinstance(kernel, str) else kernel.marks
+        for dtype in ([torch.float32, torch.bfloat16] if name == "triton" else DTYPES):
+            params.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{DTYPE_NAMES[dtype]}"))
+    return params
+
+
+@pytest.mark.parametrize("op", ["depth_attention", "block", "full-tensor", "full-list"])
+@pytest.mark.parametrize(
+    "S,lead,D", [(1, (2, 3), 8), (4, (2, 3), 24), (3, (5,), 97)], ids=["S1-B2-T3-D8", "S4-B2-T3-D24", "S3-T5-D97"]
+)
+@pytest.mark.parametrize("kernel,dtype", onorm_params())
+def test_output_norm_is_the_op_then_rms_norm(kernel, dtype, S, lead, D, op, rel_err, ref_depth_attention):
+    """RMSNorm(h) * weight in place of h: forward and every gradient (sources, query, key gain,
+    the norm's weight) against the float64 op followed by a float64 RMSNorm, on every kernel."""
+    device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(S * 10 + D)
+    srcs = [(torch.randn(*lead, D, generator=gen, dtype=torch.float64) * s) for s in source_scales(S, gen)]
+    srcs = [x.to(device, dtype).requires_grad_() for x in srcs]
+    q = random_query(D, dtype, gen).detach().to(device).requires_grad_()
+    g = random_gain(D, dtype, gen).detach().to(device).requires_grad_() if op in ("depth_attention", "block") else None
+    w = random_gain(D, dtype, gen).detach().to(device).requires_grad_()
+    eps = 1e-6 if op != "block" else 1e-3  # the op's eps is the norm's
+    if op == "depth_attention":
+        y, weights = depth_attention(srcs, q, g, eps, kernel, output_norm_weight=w)
+    elif op == "block":
+        y, weights = block_attn_res(srcs[:-1] or srcs, srcs[-1] if S > 1 else None, q, norm_weight=g, eps=eps,
+                                    return_weights=True, kernel=kernel, output_norm_weight=w)
+    else:
+        previous = torch.stack(srcs[1:]) if op == "full-tensor" and S > 1 else srcs[1:]
+        out = full_attn_res(srcs[0], previous, q, eps=eps, kernel=kernel, output_norm_weight=w)
+        y, weights = out["retrieved_representation"], out["attention_weights"]
+    assert y.dtype == dtype and y.shape == (*lead, D) and weights.shape == (S, *lead)
+    leaves = [*srcs, q, w] + ([] if g is None else [g])
+    cot_y = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    cot_w = torch.randn(weights.shape, generator=gen, dtype=torch.float64)
+
+    def grads(y, weights, wrt):
+        total = (y.double().cpu() * cot_y).sum() + (weights.double().cpu() * cot_w).sum()
+        return torch.autograd.grad(total, wrt)
+
+    got = grads(y, weights, leaves)
+    ref_leaves = [upcast_leaf(x.cpu()) for x in leaves]
+    ref_srcs, ref_q, ref_w = ref_leaves[:S], ref_leaves[S], ref_leaves[S + 1]
+    ref_g = None if g is None else ref_leaves[S + 2]
+    ref_h, ref_weights = ref_depth_attention(ref_srcs, ref_q, ref_g, eps)
+    ref_y = ref_output_norm(ref_h, ref_w, eps)
+    want = grads(ref_y, ref_weights, ref_leaves)
+    tol = TOL[dtype]
+    assert rel_err(y.cpu(), ref_y) < tol and rel_err(weights.cpu(), ref_weights) < tol
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(a.cpu(), b) < tol, f"grad {i}"
+    assert rel_err(got[S + 1].cpu(), want[S + 1]) < tol and want[S + 1].abs().max() > 0, "the weight's gradient"
+
+    # the same numbers as torch's rms_norm on the op's result in the statistics dtype, rounded once
+    # (the op norms h before rounding it: half an ulp of the dtype apart at most, plus float32's error)
+    with torch.no_grad():
+        h, plain_weights = depth_attention(srcs, q, g, eps, kernel)  # every op is this one
+        stat = torch.float64 if dtype == torch.float64 else torch.float32
+        torch_y = F.rms_norm(h.to(stat), (D,), w.to(stat), eps).to(dtype)
+        no_grad_y, _ = depth_attention(srcs, q, g, eps, kernel, output_norm_weight=w)
+    same = 1e-12 if dtype == torch.float64 else 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    assert rel_err(plain_weights.cpu(), weights.cpu()) < same, "the weights are the op's"
+    assert rel_err(no_grad_y.cpu(), y.cpu()) < same, "with and without autograd alike"
+    assert rel_err(y.cpu(), torch_y.cpu()) < same
+
+
+@pytest.mark.parametrize("kernel", ["naive", "torch"])
+def test_gradcheck_output_norm(kernel):
+    gen = torch.Generator().manual_seed(4)
+    srcs = [torch.randn(2, 2, 4, generator=gen, dtype=torch.float64) * s for s in (1.0, 2.0, 0.5)]
+    q, g, w = (torch.randn(4, generator=gen, dtype=torch.float64) for _ in range(3))
+    inputs = tuple(x.requires_grad_() for x in (*srcs, q, g, w))
+
+    def fn(a, b, c, q, g, w):
+        return depth_attention([a, b, c], q, g, 1e-3, kernel, output_norm_weight=w)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+# ------------------------------------------------------------------------------------------------
 # contract
 # ------------------------------------------------------------------------------------------------
 
@@ -459,6 +555,16 @@ ERRORS = [
     ("block-no-sources", lambda: block_attn_res([], None, _e(8)), r"at least one source"),
     ("block-eps-zero", lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), eps=0), r"eps"),
     ("block-eps-negative", lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), eps=-0.1), r"eps"),
+    (
+        "output-norm-wrong-length",
+        lambda: block_attn_res([_e(2, 3, 8)], None, _e(8), output_norm_weight=_e(7)),
+        r"output_norm_weight must have shape \(8,\).*\(7,\)",
+    ),
+    (
+        "full-output-norm-2d",
+        lambda: full_attn_res(_e(2, 3, 8), [], _e(8), output_norm_weight=_e(1, 8)),
+        r"output_norm_weight.*\(1, 8\)",
+    ),
 ]
 
 

@@ -143,6 +143,30 @@ def test_op_matches_reference(kernel, device, dtype, S, B, T, D, rel_err, ref_de
     assert_close(rel_err, [h, w], [nh.to(torch.float64), nw.to(torch.float64)], tol, "vs naive")
 
 
+@pytest.mark.parametrize("S,B,T,D", OP_CASES)
+@pytest.mark.parametrize("kernel,device,dtype", IMPLS)
+def test_op_output_norm_matches_reference(kernel, device, dtype, S, B, T, D, rel_err, ref_depth_attention):
+    """The fused output RMSNorm over several token blocks (the Triton backward sums the norm
+    weight's gradient over programs): forward and every gradient against the float64 op and
+    RMSNorm, and the same as the naive implementation."""
+    srcs, q, g = sources_and_params(S, B, T, D, dtype, device, seed=S * 100 + D + 1)
+    gen = torch.Generator().manual_seed(D)
+    w = _leaf(1 + 0.5 * torch.randn(D, generator=gen, dtype=torch.float64), dtype, device)
+    y, a = depth_attention(srcs, q, g, kernel=kernel, output_norm_weight=w)
+    inputs = [*srcs, q, g, w]
+    cot = cotangents_for([y, a], seed=S + 1)
+    grads = grads_of([y, a], cot, inputs)
+    ref_inputs = upcast(inputs)
+    ref_h, ref_a = ref_depth_attention(ref_inputs[:S], ref_inputs[S], ref_inputs[S + 1])
+    ref_y = ref_h / torch.sqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * ref_inputs[S + 2]
+    ref_grads = grads_of([ref_y, ref_a], cot, ref_inputs)
+    tol = TOL[dtype]
+    assert_close(rel_err, [y, a], [ref_y, ref_a], tol, "forward")
+    assert_close(rel_err, grads, ref_grads, tol, "grad")
+    ny, na = naive_depth_attention(srcs, q, g, output_norm_weight=w)
+    assert_close(rel_err, [y, a], [ny.to(torch.float64), na.to(torch.float64)], tol, "vs naive")
+
+
 @pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float32], [torch.float32, torch.bfloat16]))
 @pytest.mark.parametrize("magnitude", [1e30, 1e-30], ids=["1e30", "1e-30"])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -495,6 +519,28 @@ def test_compiles_without_graph_breaks(kernel, device, dtype, rel_err):
     assert rel_err(out, ref_out) < 1e-5 and rel_err(g, ref_g) < 1e-5
     with torch.no_grad():  # inference (prefill) traces another graph
         assert rel_err(compiled(e), ref_out) < 1e-5
+
+
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float32], [torch.float32]))
+def test_output_norm_compiles_without_graph_breaks(kernel, device, dtype, rel_err):
+    """The op with its fused output norm under torch.compile (the Triton op's fake implementations
+    describe the extra outputs), forward and backward, with and without grad."""
+    srcs, q, g = sources_and_params(3, 1, 3, 8, dtype, device, seed=2)
+    w = _leaf(torch.linspace(0.5, 1.5, 8, dtype=torch.float64), dtype, device)
+
+    def op(*xs):
+        return depth_attention(list(xs[:3]), xs[3], xs[4], kernel=kernel, output_norm_weight=xs[5])[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(op, backend="aot_eager", fullgraph=True)
+    inputs = [*srcs, q, g, w]
+    out, ref_out = compiled(*inputs), op(*inputs)
+    grads = torch.autograd.grad(out.sum(), inputs)
+    ref_grads = torch.autograd.grad(ref_out.sum(), inputs)
+    assert rel_err(out, ref_out) < 1e-6
+    assert_close(rel_err, grads, [r.double() for r in ref_grads], 1e-6, "grad")
+    with torch.no_grad():
+        assert rel_err(compiled(*inputs), ref_out) < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------

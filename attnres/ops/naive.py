@@ -9,6 +9,10 @@ stacked into an (S, B, T, D) tensor), each source is normalised exactly once and
 only implicitly -- w . (v * r * g) == (v . (g * w)) * r with r = 1 / rms(v) -- so
 the normalised keys are never materialised. Statistics, logits and the softmax
 are float32 for half-precision inputs; both results have the input dtype.
+
+`output_norm_weight` (D,): return RMSNorm(h) * weight (eps the op's, statistics in the
+compute dtype, applied to h before it is rounded) in place of h, so that the next
+sublayer's pre-norm is folded into the op.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -24,12 +29,14 @@ def naive_depth_attention(
     pseudo_query: Tensor,
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
+    output_norm_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attend over `sources` (each (..., D), e.g. (B, T, D)) with `pseudo_query` (D,).
 
     Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
     float64 for float64 sources, and rounded once): h is (..., D), weights is
     (S, ...) and sums to 1 over S for every token (to that dtype's rounding).
+    With `output_norm_weight` (D,), h is RMSNorm(h) * output_norm_weight instead.
     Inputs are not validated here: `attnres.functional` does that once, at the
     public boundary.
     """
@@ -51,4 +58,6 @@ def naive_depth_attention(
     h = weights[0].unsqueeze(-1) * sources[0].to(compute_dtype)
     for alpha, v in zip(weights[1:], sources[1:], strict=True):
         h = h + alpha.unsqueeze(-1) * v.to(compute_dtype)
+    if output_norm_weight is not None:  # the next sublayer's pre-norm, before h is rounded
+        h = F.rms_norm(h, (h.shape[-1],), output_norm_weight.to(compute_dtype), eps)
     return h.to(sources[0].dtype), weights.to(sources[0].dtype)

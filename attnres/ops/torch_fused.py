@@ -23,6 +23,12 @@ and dlse_k of the log-sum-exp (alpha = softmax over sources, P_k = dO_k . out_k)
 The last term of dv_i is the derivative through r_i, so a cached r_i (computed once per
 completed block) is a pure speed-up and needs no gradient path of its own.
 
+A fused output RMSNorm (one query, no prefix: `out_norm`, the weight w) returns
+y = h * n * w with n = 1 / sqrt(mean(h^2) + eps), computed from the unrounded h, and keeps
+h (in the input dtype) and n for the backward, which turns the cotangent dy of y into that
+of h before anything else, dO = n (w dy) - n^3 / D ((w dy) . h) h, and gives
+dw = sum over tokens of n dy h.
+
 The weights are recomputed as exp(z - lse), renormalised (`_weights`): lse rounded to the
 statistics dtype is off by up to half an ulp of itself (7.6e-6 in float32 for |lse| >= 128),
 and every exp(z_i - lse) by that factor, so their sum misses 1 by as much. Where the
@@ -91,12 +97,15 @@ def depth_attention_forward(
     prefix_h: Sequence[Tensor],
     prefix_lse: Tensor | None,
     eps: float,
-) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    out_norm: Tensor | None = None,
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """No-grad forward. sources: n tensors (..., D); r_cache: (n, ...) inverse RMS or None;
     queries: (K, D) gain-folded, compute dtype; prefix_h: [] or K tensors (..., D) whose
-    logit is prefix_lse (K, ...). Returns (outs: K tensors (..., D) in the sources' dtype,
-    z (K, n, ...), lse (K, ...), r (n, ...)), statistics in the compute dtype. Any leading
-    shape: tokens are rows of the (M, D) views."""
+    logit is prefix_lse (K, ...); out_norm: None, or (K == 1, no prefix) the (D,) weight of a
+    fused output RMSNorm, compute dtype. Returns (outs: K tensors (..., D) in the sources'
+    dtype, z (K, n, ...), lse (K, ...), r (n, ...), h, n): with out_norm, outs is [y] and h
+    the output before the norm, n (...) its inverse RMS; else both None. Statistics in the
+    compute dtype. Any leading shape: tokens are rows of the (M, D) views."""
     dtype, cd = sources[0].dtype, queries.dtype
     shape, K, n = sources[0].shape, queries.shape[0], len(sources)
     vs = [_rows(v, cd) for v in sources]  # (M, D) each
@@ -121,7 +130,12 @@ def depth_attention_forward(
             acc.addcmul_(v, a_i)
         outs.append(acc.view(shape).to(dtype))
     stat = shape[:-1]
-    return outs, z.view(K, n, *stat), lse.view(K, *stat), r.view(n, *stat)
+    h = h_inv_rms = None
+    if out_norm is not None:  # K == 1: y = h * n * w from the unrounded h, rounded once
+        h, h_inv_rms = outs[0], torch.rsqrt(acc.square().mean(dim=-1) + eps)  # (M,)
+        outs = [(acc * h_inv_rms.unsqueeze(-1) * out_norm).view(shape).to(dtype)]
+        h_inv_rms = h_inv_rms.view(stat)
+    return outs, z.view(K, n, *stat), lse.view(K, *stat), r.view(n, *stat), h, h_inv_rms
 
 
 def depth_attention_backward(
@@ -135,10 +149,14 @@ def depth_attention_backward(
     d_outs: Sequence[Tensor | None],
     dz_ext: Tensor | None,
     dlse: Tensor | None,
-) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor | None]:
-    """Gradients (d_sources, d_queries (K, D), d_prefix_h, d_prefix_lse) of the forward above.
-    `outs` is only read when there is a prefix (then P_k = dO_k . out_k); otherwise it may be
-    empty and P_k = sum_i alpha_ki dO_k . v_i."""
+    out_norm: Tensor | None = None,
+    h: Tensor | None = None,
+    h_inv_rms: Tensor | None = None,
+) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
+    """Gradients (d_sources, d_queries (K, D), d_prefix_h, d_prefix_lse, d_out_norm) of the
+    forward above. `outs` is only read when there is a prefix (then P_k = dO_k . out_k);
+    otherwise it may be empty and P_k = sum_i alpha_ki dO_k . v_i. With a fused output norm
+    (`out_norm`, and the forward's h and n), `d_outs` are the cotangents of y."""
     dtype, cd = sources[0].dtype, queries.dtype
     shape, K, n, d = sources[0].shape, queries.shape[0], len(sources), queries.shape[-1]
     stat = shape[:-1]
@@ -149,6 +167,12 @@ def depth_attention_backward(
     a_src = alpha[:, 1:] if has_prefix else alpha  # (K, n, M)
     m = lse.shape[-1]
     d_o = [torch.zeros(m, d, dtype=cd, device=queries.device) if g is None else _rows(g, cd) for g in d_outs]
+    d_out_norm = None
+    if out_norm is not None:  # from the cotangent of y = h * n * w to that of h (K == 1)
+        hh, hn = _rows(h, cd), h_inv_rms.reshape(-1, 1).to(cd)  # (M, D), (M, 1)
+        d_out_norm = (d_o[0] * hh * hn).sum(dim=0)
+        wdy = d_o[0] * out_norm
+        d_o[0] = wdy * hn - (hn.pow(3) / d) * torch.linalg.vecdot(wdy, hh).unsqueeze(-1) * hh
     vs = [_rows(v, cd) for v in sources]
 
     def dots(a: Tensor, b: Tensor) -> Tensor:  # per-token a . b, (M, D) x (M, D) -> (M,)
@@ -183,43 +207,53 @@ def depth_attention_backward(
         dv.addmm_(dzr[i], queries).addcmul_(v, c[i])  # in place: no copy of dv
         d_sources.append(dv.view(shape).to(dtype))
         d_q.addmm_(dzr[i].T, v)
-    return d_sources, d_q, d_prefix_h, d_prefix_lse
+    return d_sources, d_q, d_prefix_h, d_prefix_lse, d_out_norm
 
 
 class _DepthAttention(torch.autograd.Function):
     """Autograd around the core pair: saves the sources (references), r, z, lse and, with a
-    prefix, the outputs (the caller keeps them anyway: they are sublayer inputs)."""
+    prefix, the outputs (the caller keeps them anyway: they are sublayer inputs); with a fused
+    output norm, its weight, h and n."""
 
     @staticmethod
-    def forward(eps, queries, r_cache, prefix_lse, *tensors):  # tensors: sources, then K prefix_h or none
+    def forward(eps, queries, r_cache, prefix_lse, out_norm, *tensors):  # tensors: sources, then K prefix_h or none
         n = len(tensors) - (0 if prefix_lse is None else queries.shape[0])
         sources, prefix_h = tensors[:n], tensors[n:]
-        outs, z, lse, r = depth_attention_forward(sources, r_cache, queries, prefix_h, prefix_lse, eps)
-        return (*outs, z, lse, r)
+        outs, z, lse, r, h, h_inv_rms = depth_attention_forward(
+            sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm
+        )
+        if h is None:  # autograd outputs are tensors: empty ones stand for "no output norm"
+            h, h_inv_rms = z.new_empty(0), z.new_empty(0)
+        return (*outs, z, lse, r, h, h_inv_rms)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        eps, queries, r_cache, prefix_lse, *tensors = inputs
-        *outs, z, lse, r = output
+        eps, queries, r_cache, prefix_lse, out_norm, *tensors = inputs
+        *outs, z, lse, r, h, h_inv_rms = output
         ctx.has_prefix, ctx.K = prefix_lse is not None, queries.shape[0]
         ctx.n = n = len(tensors) - (ctx.K if ctx.has_prefix else 0)
-        ctx.mark_non_differentiable(r)
+        ctx.has_out_norm = out_norm is not None
+        ctx.mark_non_differentiable(r, h, h_inv_rms)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(queries, r, z, lse, prefix_lse, *tensors[:n], *(outs if ctx.has_prefix else ()))
+        ctx.save_for_backward(
+            queries, r, z, lse, prefix_lse, out_norm, h, h_inv_rms, *tensors[:n], *(outs if ctx.has_prefix else ())
+        )
 
     @staticmethod
     def backward(ctx, *grads):
         K, n = ctx.K, ctx.n
         d_outs, dz_ext, dlse = grads[:K], grads[K], grads[K + 1]
-        queries, r, z, lse, prefix_lse, *rest = ctx.saved_tensors
+        queries, r, z, lse, prefix_lse, out_norm, h, h_inv_rms, *rest = ctx.saved_tensors
         sources, outs = rest[:n], rest[n:]
         n_prefix = K if ctx.has_prefix else 0
         if all(g is None for g in d_outs) and dz_ext is None and dlse is None:
-            return (None,) * (4 + n + n_prefix)
-        d_src, d_q, d_pre_h, d_pre_lse = depth_attention_backward(
-            sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse
+            return (None,) * (5 + n + n_prefix)
+        if not ctx.has_out_norm:
+            out_norm = h = h_inv_rms = None
+        d_src, d_q, d_pre_h, d_pre_lse, d_out_norm = depth_attention_backward(
+            sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse, out_norm, h, h_inv_rms
         )
-        return (None, d_q, None, d_pre_lse, *d_src, *d_pre_h)
+        return (None, d_q, None, d_pre_lse, d_out_norm, *d_src, *d_pre_h)
 
 
 def run_depth_attention(
@@ -229,15 +263,19 @@ def run_depth_attention(
     prefix_h: Sequence[Tensor] = (),
     prefix_lse: Tensor | None = None,
     eps: float = 1e-6,
+    out_norm: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor]:
-    """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h and prefix_lse
-    (r_cache is a cached function of the sources, see the module docstring)."""
-    tensors = (queries, *sources, *prefix_h) + (() if prefix_lse is None else (prefix_lse,))
+    """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h, prefix_lse and
+    out_norm (r_cache is a cached function of the sources, see the module docstring).
+    `out_norm`: the (D,) weight of a fused output RMSNorm (one query, no prefix), or None."""
+    if out_norm is not None and (queries.shape[0] != 1 or prefix_lse is not None):
+        raise ValueError("a fused output norm takes one query and no prefix")
+    tensors = (queries, *sources, *prefix_h) + tuple(t for t in (prefix_lse, out_norm) if t is not None)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         # nothing to differentiate (e.g. prefill): no autograd node, and no Dynamo tracing of one
-        outs, z, lse, _ = depth_attention_forward(sources, r_cache, queries, prefix_h, prefix_lse, eps)
+        outs, z, lse, *_ = depth_attention_forward(sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm)
         return outs, z, lse
-    *outs, z, lse, _ = _DepthAttention.apply(eps, queries, r_cache, prefix_lse, *sources, *prefix_h)
+    *outs, z, lse, _, _, _ = _DepthAttention.apply(eps, queries, r_cache, prefix_lse, out_norm, *sources, *prefix_h)
     return outs, z, lse
 
 
@@ -249,12 +287,20 @@ def fold_queries(pseudo_query: Tensor, norm_weight: Tensor | None, dtype: torch.
     return q if norm_weight is None else q * norm_weight.to(cd)
 
 
-def attend(run: Callable, sources: Sequence[Tensor], pseudo_query: Tensor, norm_weight: Tensor | None, eps: float):
+def attend(
+    run: Callable,
+    sources: Sequence[Tensor],
+    pseudo_query: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    output_norm_weight: Tensor | None = None,
+):
     """`fused_depth_attention` on a `run_depth_attention` (this module's, or the Triton one): one
     query, no prefix, the weights as the reference computes them (exactly uniform for equal
     logits), rounded once to the sources' dtype."""
     query = fold_queries(pseudo_query, norm_weight, sources[0].dtype)
-    outs, z, _ = run(list(sources), None, query.unsqueeze(0), eps=eps)
+    out_norm = None if output_norm_weight is None else output_norm_weight.to(query.dtype)
+    outs, z, _ = run(list(sources), None, query.unsqueeze(0), eps=eps, out_norm=out_norm)
     return outs[0], torch.softmax(z[0], dim=0).to(sources[0].dtype)
 
 
@@ -263,13 +309,15 @@ def fused_depth_attention(
     pseudo_query: Tensor,
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
+    output_norm_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attend over `sources` (each (..., D), e.g. (B, T, D)) with `pseudo_query` (D,).
 
     Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
     float64 for float64 sources, and rounded once): h is (..., D), weights is
     (S, ...) and sums to 1 over S for every token (to that dtype's rounding).
+    With `output_norm_weight` (D,), h is RMSNorm(h) * output_norm_weight instead.
     Inputs are not validated here: `attnres.functional` does that once, at the
     public boundary.
     """
-    return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps)
+    return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps, output_norm_weight)

@@ -27,6 +27,10 @@ never imports triton.
   `experiments/kernel_resources.py` compiles every variant for sm_90 without a GPU and
   reports registers, spills and the instructions the loops issue per byte; a test holds the
   spills.
+- The fused output RMSNorm (`out_norm`, one query): the forward normalises h in registers
+  before its one store (and stores h too only when a backward may need it); the backward
+  turns the incoming cotangent of y into that of h right after loading it, and sums the
+  weight's gradient per program like the query's. No extra pass over memory either way.
 - `torch.library.custom_op` registrations (`attnres::depth_attention_fwd`/`_bwd`,
   `attnres::inv_rms`) with fake implementations and `register_autograd`, so torch.compile
   keeps them as single graph nodes instead of breaking the graph.
@@ -145,10 +149,11 @@ def _inv_rms_kernel(x_ptr, r_ptr, M, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.
 
 @triton.jit(do_not_specialize=["n_src"])
 def _fwd_kernel(
-    srcs, n_src, r_in, q_ptr, pre_h, pre_lse, outs, z_ptr, lse_ptr, r_out,
+    srcs, n_src, r_in, q_ptr, pre_h, pre_lse, outs, z_ptr, lse_ptr, r_out, on_ptr, h_out, hn_out,
     M, D, eps,
     K: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
     HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_ONORM: tl.constexpr = False, STORE_H: tl.constexpr = False,
 ):
     rows, offs, mask = _tiles(M, D, BLOCK_M, BLOCK_D, tl.program_id(0) * BLOCK_M)
     c3 = tl.arange(0, BLOCK_D)[None, None, :]
@@ -184,6 +189,13 @@ def _fwd_kernel(
         m = m_new
     tl.store(lse_ptr + ks[:, None] * M + rows[None, :], m + tl.log(l_sum), mask=zmask)
     out = acc / l_sum[:, :, None]  # (KP, BM, BD)
+    if HAS_ONORM:  # K == 1: the fused output RMSNorm, y = h * n * w, from h in registers
+        hn = 1.0 / tl.sqrt(tl.sum(out * out, axis=2) / D + eps)  # (1, BM)
+        tl.store(hn_out + rows[None, :], hn, mask=rmask)
+        if STORE_H:  # for the backward
+            tl.store(h_out + offs, out.to(h_out.dtype.element_ty), mask=mask)
+        w = tl.load(on_ptr + c3, mask=c3 < D, other=0.0)  # (1, 1, BD)
+        out = out * hn[:, :, None] * w
     for k in tl.static_range(K):
         if KP == 1:
             o = out
@@ -195,10 +207,11 @@ def _fwd_kernel(
 @triton.jit(do_not_specialize=["n_src"])
 def _bwd_kernel(
     srcs, n_src, r_ptr, q_ptr, z_ptr, lse_ptr, pre_lse, outs, d_outs, dz_ptr, dlse_ptr,
-    d_srcs, dq_ptr, d_pre_h, d_pre_lse,
+    d_srcs, dq_ptr, d_pre_h, d_pre_lse, on_ptr, h_ptr, hn_ptr, dw_ptr,
     M, D, n_blocks,
     K: tl.constexpr, KP: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DZ: tl.constexpr,
     HAS_DLSE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_ONORM: tl.constexpr = False,
 ):
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     c3 = tl.arange(0, BLOCK_D)[None, None, :]
@@ -207,6 +220,7 @@ def _bwd_kernel(
     qmask = (k3 < K) & (c3 < D)
     q = tl.load(q_ptr + k3 * D + c3, mask=qmask, other=0.0).to(tl.float32)  # (KP, 1, BD)
     dq = tl.zeros([KP, 1, BLOCK_D], tl.float32)
+    dw = tl.zeros([1, 1, BLOCK_D], tl.float32)  # the output norm's weight gradient (HAS_ONORM)
     for blk in range(pid, n_blocks, nprog):
         rows, offs, mask = _tiles(M, D, BLOCK_M, BLOCK_D, blk * BLOCK_M)
         rmask = rows[None, :] < M  # (1, BM)
@@ -219,6 +233,13 @@ def _bwd_kernel(
             for k in tl.static_range(K):
                 dok = tl.load(d_outs[k] + offs, mask=mask, other=0.0).to(tl.float32)
                 d_o = tl.where(k3 == k, dok, d_o)
+        if HAS_ONORM:  # K == 1: d_o is the cotangent of y = h * n * w; make it that of h
+            hv = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (1, BM, BD)
+            hn = tl.load(hn_ptr + rows[None, :], mask=rmask, other=0.0)[:, :, None]  # (1, BM, 1)
+            w = tl.load(on_ptr + c3, mask=c3 < D, other=0.0)  # (1, 1, BD)
+            dw += tl.sum(d_o * hv * hn, axis=1, keep_dims=True)
+            wdy = w * d_o
+            d_o = hn * wdy - (hn * hn * hn / D) * tl.sum(wdy * hv, axis=2, keep_dims=True) * hv
         lse = tl.load(lse_ptr + kz, mask=zmask, other=0.0)
         if HAS_DLSE:
             dlse = tl.load(dlse_ptr + kz, mask=zmask, other=0.0)
@@ -283,6 +304,8 @@ def _bwd_kernel(
             dh = a_pre[:, :, None] * d_o  # (1, BM, BD): K == 1
             tl.store(d_pre_h[0] + offs, dh.to(d_pre_h[0].dtype.element_ty), mask=mask)
     tl.store(dq_ptr + (pid * K + k3) * D + c3, dq, mask=qmask)
+    if HAS_ONORM:
+        tl.store(dw_ptr + pid * D + c3, dw, mask=c3 < D)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,7 +348,9 @@ def _fwd_op(
     prefix_h: list[Tensor],
     prefix_lse: Tensor | None,
     eps: float,
-) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    out_norm: Tensor | None,
+    save_h: bool,
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
     sources = [_rows(v) for v in sources]
     first = sources[0]
     shape, d, n, K = first.shape, first.shape[-1], len(sources), queries.shape[0]
@@ -340,6 +365,10 @@ def _fwd_op(
     has_prefix = prefix_lse is not None
     pre_h = tuple(_rows(p) for p in prefix_h) if has_prefix else (first,)
     pre_lse = _rows(prefix_lse.float()) if has_prefix else lse
+    has_onorm = out_norm is not None  # one query, no prefix (run_depth_attention checks)
+    h = first.new_empty(shape if has_onorm and save_h else (0,))  # the output before the norm
+    h_inv_rms = torch.empty(shape[:-1] if has_onorm else (0,), dtype=torch.float32, device=device)
+    on = _rows(out_norm.float()) if has_onorm else queries
     per_launch = _queries_per_launch(d)
     for k0 in range(0, K, per_launch):
         kc = min(per_launch, K - k0)
@@ -347,23 +376,28 @@ def _fwd_op(
         has_rms = r_cache is not None or k0 > 0  # later chunks reuse the r the first one wrote
         _fwd_kernel[(triton.cdiv(m, block_m),)](
             tuple(sources), n, r, queries[k0:], pre_h, pre_lse, tuple(outs[k0 : k0 + kc]), z[k0:], lse[k0:], r_new,
+            on, h if save_h else first, h_inv_rms if has_onorm else lse,
             m, d, eps,
-            K=kc, KP=kp, HAS_RMS=has_rms, HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+            K=kc, KP=kp, HAS_RMS=has_rms, HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_D=block_d,
+            HAS_ONORM=has_onorm, STORE_H=has_onorm and save_h, num_warps=num_warps,
         )
-    return outs, z, lse, r_new
+    return outs, z, lse, r_new, h, h_inv_rms
 
 
 @_fwd_op.register_fake
-def _(sources, r_cache, queries, prefix_h, prefix_lse, eps):
+def _(sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, save_h):
     first = sources[0]
     K, n = queries.shape[0], len(sources)
     stat = {"dtype": torch.float32}
     r_shape = (n, *first.shape[:-1]) if r_cache is None else (0,)
+    has_onorm = out_norm is not None
     return (  # contiguous, as the real outputs are whatever the inputs' strides
         [first.new_empty(first.shape) for _ in range(K)],
         first.new_empty((K, n, *first.shape[:-1]), **stat),
         first.new_empty((K, *first.shape[:-1]), **stat),
         first.new_empty(r_shape, **stat),
+        first.new_empty(first.shape if has_onorm and save_h else (0,)),
+        first.new_empty(first.shape[:-1] if has_onorm else (0,), **stat),
     )
 
 
@@ -379,7 +413,10 @@ def _bwd_op(
     d_outs: list[Tensor],
     dz_ext: Tensor | None,
     dlse: Tensor | None,
-) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor]:
+    out_norm: Tensor | None,
+    h: Tensor | None,
+    h_inv_rms: Tensor | None,
+) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor, Tensor]:
     sources = [_rows(v) for v in sources]
     first = sources[0]
     d, K = first.shape[-1], queries.shape[0]
@@ -394,55 +431,71 @@ def _bwd_op(
     d_pre_h = [first.new_empty(first.shape)] if has_prefix else []
     d_pre_lse = torch.empty_like(lse) if has_prefix else lse.new_empty(0)
     d_q = torch.empty_like(queries)
+    has_onorm = out_norm is not None  # K == 1, no prefix
+    on = _rows(out_norm.float()) if has_onorm else queries
+    d_on = torch.empty(d if has_onorm else 0, dtype=torch.float32, device=device)
     for k0 in range(0, K, per_launch):
         kc = min(per_launch, K - k0)
         block_d, kp, block_m, num_warps = _launch_shape(d, kc)
         n_blocks = triton.cdiv(m, block_m)
         nprog = _n_programs(n_blocks, num_warps, device)
         dq_part = torch.empty((nprog, kc, d), dtype=torch.float32, device=device)
+        dw_part = torch.empty((nprog, d) if has_onorm else (0,), dtype=torch.float32, device=device)
         _bwd_kernel[(nprog,)](
             tuple(sources), len(sources), _rows(r), queries[k0:], _rows(z[k0:]), _rows(lse[k0:]),
             _rows(prefix_lse) if has_prefix else lse, tuple(_rows(o) for o in outs) if has_prefix else (first,),
             d_outs[k0 : k0 + kc], _rows(dz_ext[k0:]) if dz_ext is not None else z,
             _rows(dlse[k0:]) if dlse is not None else lse,
             tuple(d_src), dq_part, tuple(d_pre_h) if has_prefix else (first,), d_pre_lse if has_prefix else lse,
+            on, _rows(h) if has_onorm else first, _rows(h_inv_rms) if has_onorm else lse, dw_part,
             m, d, n_blocks,
             K=kc, KP=kp, HAS_PREFIX=has_prefix, HAS_DZ=dz_ext is not None, HAS_DLSE=dlse is not None,
-            ACCUMULATE=k0 > 0, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+            ACCUMULATE=k0 > 0, BLOCK_M=block_m, BLOCK_D=block_d, HAS_ONORM=has_onorm, num_warps=num_warps,
         )
         d_q[k0 : k0 + kc] = dq_part.sum(0)
+        if has_onorm:
+            d_on = dw_part.sum(0)
     if split:
         d_src = [g.to(v.dtype) for g, v in zip(d_src, sources, strict=True)]
-    return d_src, d_q, d_pre_h, d_pre_lse
+    return d_src, d_q, d_pre_h, d_pre_lse, d_on
 
 
 @_bwd_op.register_fake
-def _(sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse):
+def _(sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse, out_norm, h, h_inv_rms):
     has_prefix = prefix_lse is not None
     return (
         [v.new_empty(v.shape) for v in sources],
         queries.new_empty(queries.shape, dtype=torch.float32),
         [sources[0].new_empty(sources[0].shape)] if has_prefix else [],
         torch.empty_like(lse) if has_prefix else lse.new_empty(0),
+        queries.new_empty(queries.shape[-1] if out_norm is not None else 0, dtype=torch.float32),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    sources, r_cache, queries, prefix_h, prefix_lse, eps = inputs
-    outs, z, lse, r_new = output
+    sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, save_h = inputs
+    outs, z, lse, r_new, h, h_inv_rms = output
     ctx.n, ctx.has_prefix, ctx.q_dtype = len(sources), prefix_lse is not None, queries.dtype
+    ctx.has_onorm, ctx.on_dtype = out_norm is not None, None if out_norm is None else out_norm.dtype
     r = r_cache if r_cache is not None else r_new
-    ctx.save_for_backward(r, queries, z, lse, prefix_lse, *sources, *(outs if ctx.has_prefix else ()))
+    ctx.save_for_backward(
+        r, queries, z, lse, prefix_lse, out_norm, h, h_inv_rms, *sources, *(outs if ctx.has_prefix else ())
+    )
 
 
-def _backward(ctx, d_outs, dz, dlse, _dr):
-    r, queries, z, lse, prefix_lse, *rest = ctx.saved_tensors
+def _backward(ctx, d_outs, dz, dlse, _dr, _dh, _dhn):
+    r, queries, z, lse, prefix_lse, out_norm, h, h_inv_rms, *rest = ctx.saved_tensors
     sources, outs = rest[: ctx.n], rest[ctx.n :]
     d_outs = [torch.zeros_like(sources[0]) if g is None else g for g in d_outs]
-    d_src, d_q, d_pre_h, d_pre_lse = _bwd_op(sources, r, queries, z, lse, prefix_lse, list(outs), d_outs, dz, dlse)
+    if not ctx.has_onorm:
+        out_norm = h = h_inv_rms = None
+    d_src, d_q, d_pre_h, d_pre_lse, d_on = _bwd_op(
+        sources, r, queries, z, lse, prefix_lse, list(outs), d_outs, dz, dlse, out_norm, h, h_inv_rms
+    )
+    d_on = d_on.to(ctx.on_dtype) if ctx.has_onorm else None
     if not ctx.has_prefix:
-        return d_src, None, d_q.to(ctx.q_dtype), [], None, None
-    return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None
+        return d_src, None, d_q.to(ctx.q_dtype), [], None, None, d_on, None
+    return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None, d_on, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -466,11 +519,18 @@ def run_depth_attention(
     prefix_h: Sequence[Tensor] = (),
     prefix_lse: Tensor | None = None,
     eps: float = 1e-6,
+    out_norm: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor]:
-    """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h and prefix_lse
-    (r_cache is a cached function of the sources, see torch_fused.py)."""
+    """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h, prefix_lse and
+    out_norm (r_cache is a cached function of the sources, see torch_fused.py). `out_norm`: the
+    (D,) weight of the output RMSNorm fused into the kernels (one query, no prefix), or None;
+    h, the output before it, is written only when a gradient may be asked for."""
+    if out_norm is not None and (queries.shape[0] != 1 or prefix_lse is not None):
+        raise ValueError("a fused output norm takes one query and no prefix")
     r_cache = None if r_cache is None else r_cache.detach()
-    outs, z, lse, _ = _fwd_op(list(sources), r_cache, queries, list(prefix_h), prefix_lse, eps)
+    tensors = (queries, *sources, *prefix_h) + tuple(t for t in (prefix_lse, out_norm) if t is not None)
+    save_h = out_norm is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    outs, z, lse, *_ = _fwd_op(list(sources), r_cache, queries, list(prefix_h), prefix_lse, eps, out_norm, save_h)
     return outs, z, lse
 
 
@@ -479,13 +539,16 @@ def fused_depth_attention(
     pseudo_query: Tensor,
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
+    output_norm_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attend over `sources` (each (..., D), e.g. (B, T, D)) with `pseudo_query` (D,).
 
     Returns `(h, weights)`, both in the sources' dtype (computed in float32, or
     float64 for float64 sources, and rounded once): h is (..., D), weights is
     (S, ...) and sums to 1 over S for every token (to that dtype's rounding).
+    With `output_norm_weight` (D,), h is RMSNorm(h) * output_norm_weight instead,
+    fused into the kernels.
     Inputs are not validated here: `attnres.functional` does that once, at the
     public boundary.
     """
-    return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps)
+    return attend(run_depth_attention, sources, pseudo_query, norm_weight, eps, output_norm_weight)
