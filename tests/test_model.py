@@ -22,7 +22,9 @@ STRATEGIES = {
     "standard": StandardResidual,
     "full": FullAttentionResidual,
     "block": functools.partial(BlockAttentionResidual, num_blocks=2),
+    "block-sizes": functools.partial(BlockAttentionResidual, block_sizes=[3, 1]),  # a shorter last block
 }
+ATTNRES = ("full", "block", "block-sizes")
 TINY = {"vocab_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16}
 
 
@@ -85,7 +87,7 @@ def test_parameter_counts(mlp, tie):
     L, D, V = 2 * TINY["n_layer"], TINY["n_embd"], TINY["vocab_size"]
     base = models["standard"].num_parameters()
     assert models["standard"].num_parameters(exclude_residual=True) == base
-    for name in ("full", "block"):
+    for name in ATTNRES:
         assert models[name].num_parameters(exclude_residual=True) == base
         assert models[name].num_parameters() - base == 2 * (L + 1) * D
     assert (models["standard"].head.weight is models["standard"].embed.weight) == tie
@@ -101,7 +103,7 @@ def test_same_seed_gives_same_weights_and_same_step0_logits(mlp, tie, rel_err):
         name: tiny_model(name, seed=7, mlp=mlp, tie_embeddings=tie, norm_eps=1e-12).double() for name in STRATEGIES
     }
     reference = {k: v for k, v in models["standard"].state_dict().items()}
-    for name in ("full", "block"):
+    for name in ATTNRES:
         state = {k: v for k, v in models[name].state_dict().items() if not k.startswith("residual.")}
         assert state.keys() == reference.keys()
         for key, value in state.items():
@@ -109,7 +111,7 @@ def test_same_seed_gives_same_weights_and_same_step0_logits(mlp, tie, rel_err):
 
     idx = tokens(2, 16, seed=4)
     logits = {name: model(idx)["logits"] for name, model in models.items()}
-    for name in ("full", "block"):
+    for name in ATTNRES:
         assert rel_err(logits[name], logits["standard"]) < 1e-6, name
     # not vacuous: once a query moves, the functions differ
     with torch.no_grad():
