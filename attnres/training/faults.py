@@ -45,6 +45,16 @@ class RunEnded(Exception):  # noqa: N818  (not an error: the run ended the way t
         self.exit_code = exit_code
 
 
+class RunRefused(ConfigError):  # noqa: N818  (a refusal, reported like a ConfigError)
+    """The run folder holds another run, or another process: nothing in it may be touched."""
+
+
+def secondary_rank() -> bool:
+    """True in the processes a distributed launcher started for ranks other than 0: they run the
+    same command, but the folder (its lock, leftovers, overwrite) is rank 0's to handle."""
+    return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID"))
+
+
 class NonFiniteLoss(Exception):  # noqa: N818  (raised to stop training, caught by the runner)
     """The training loss (or the gradient norm) was not finite at `step` (1-based)."""
 
@@ -62,6 +72,8 @@ class RunLock:
         self.fd: int | None = None
 
     def __enter__(self) -> RunLock:
+        if secondary_rank():
+            return self  # rank 0 of this run holds the lock
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -69,7 +81,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise ConfigError(
+            raise RunRefused(
                 f"another attnres-run (pid {holder}) is running in {self.path.parent}; wait for it to end, "
                 "or pass name=<new name> for a new folder"
             ) from None
@@ -88,6 +100,8 @@ def clean_stale_tmp(run_dir: Path) -> list[Path]:
     """Remove the temporary files of atomic writes (`.NAME.*.tmp`) that a killed process left in
     the run folder and its checkpoints. Call it holding the run's `RunLock`: no live writer then."""
     removed = []
+    if secondary_rank():
+        return removed
     for folder in (run_dir, run_dir / "checkpoints"):
         if folder.is_dir():
             for tmp in folder.glob(".*.tmp"):
@@ -104,6 +118,8 @@ def clear_previous_run(run_dir: Path) -> list[str]:
     of it can be resumed or mistaken for the new run's. Each entry is first renamed aside (one
     atomic step), so a crash midway never leaves a half-deleted `checkpoints/` under its name."""
     removed = []
+    if secondary_rank():
+        return removed  # rank 0 did it
     events = sorted(p.name for p in run_dir.glob("events.out.tfevents.*"))  # TensorBoard writes them here
     for name in (*PREVIOUS_RUN_FILES, *events):
         path = run_dir / name

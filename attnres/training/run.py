@@ -23,7 +23,7 @@ from pytorch_lightning.callbacks import ProgressBar
 
 from attnres.training import naming  # noqa: F401  (registers the run-folder resolver)
 from attnres.training.errors import ConfigError
-from attnres.training.faults import RunEnded, clear_previous_run
+from attnres.training.faults import RunEnded, RunRefused, clear_previous_run
 from attnres.training.io import DISK_FULL, read_json, write_json
 from attnres.training.lit import peak_memory_bytes
 
@@ -100,7 +100,7 @@ def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwr
         return None
     if last.is_file() or status is not None:
         held = last if last.is_file() else run_dir / "metrics.json"
-        raise ConfigError(
+        raise RunRefused(
             f"{run_dir} already holds a run ({held}); pass resume=true to continue it, "
             "overwrite=true to start it again, or name=<new name> for a new folder"
         )
@@ -390,6 +390,9 @@ def run_child_job(spec_path: Path, train: Callable[[DictConfig, Path, dict[str, 
     except RunEnded as err:  # interrupted, or stopped on a non-finite loss: metrics.json says so already
         print(f"attnres-run: {err}", file=sys.stderr)
         return err.exit_code
+    except RunRefused as err:  # the folder is another run's: its metrics.json is not this job's to write
+        print(f"attnres-run: error: {err}", file=sys.stderr)
+        return 2
     except BaseException as err:  # a job's failure is data for the summary, not a crash of the sweep
         traceback.print_exc()
         message = str(err).splitlines()[0] if str(err) else ""
