@@ -155,6 +155,18 @@ def primary_metric(rows: list[dict[str, Any]]) -> str:
     return "val/loss"
 
 
+def terminal_table(rows: list[dict[str, Any]]) -> str:
+    """The summary as a person reads it at the end of a sweep: job, status, the primary metric,
+    tokens per second and wall time, aligned."""
+    metric = primary_metric(rows)
+    header = ["job", "status", metric, "tokens/s", "wall s"]
+    body = [[str(r["job"]), str(r["status"]), _fmt(r.get(metric)), _fmt(r.get("tokens_per_sec")),
+             _fmt(r.get("wall_time_s"))] for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+                     for line in [header, *body])
+
+
 def write_sweep_summary(sweep_dir: str | Path) -> list[dict[str, Any]]:
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir)
@@ -233,5 +245,6 @@ class SweepSummary(Callback):
 
             with user_errors():
                 raise sweep.no_jobs_error(config)
-        write_sweep_summary(sweep_dir)
+        rows = write_sweep_summary(sweep_dir)
+        print(terminal_table(rows), flush=True)
         print(f"sweep: {format_counts(counts)} -> {sweep_dir / 'summary.md'}", flush=True)
