@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -151,11 +151,37 @@ def _hydra_main(cfg: DictConfig) -> None:
         train(cfg, run_dir, info)
 
 
+def job_config(overrides: list[str]) -> str:
+    """`attnres-run --cfg job ...`: the config the run would use, resolved (its run folder filled
+    in), without the top-level `num_blocks` when the residual strategy has no blocks."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg), read_write(cfg.hydra):
+            cfg.hydra.runtime.output_dir = str(cfg.hydra.run.dir)  # what Hydra sets when the run starts
+        HydraConfig.instance().set_config(cfg)
+        job = OmegaConf.to_container(cfg, resolve=True)
+    finally:
+        GlobalHydra.instance().clear()
+    job.pop("hydra")
+    if "num_blocks" not in (job.get("residual") or {}):
+        job.pop("num_blocks", None)
+    return OmegaConf.to_yaml(OmegaConf.create(job))
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--run-job"]:  # a sweep job's own process (see attnres/training/sweep.py)
         sys.exit(run_child_job(Path(sys.argv[2]), train))
     with user_errors():
         check_command_line(sys.argv[1:], CONF_DIR)
+    if sys.argv[1:3] == ["--cfg", "job"] and not any(a.startswith(("-", "hydra.")) for a in sys.argv[3:]):
+        print(job_config(sys.argv[3:]), end="")
+        return
     _hydra_main()
     sys.exit(sweep.exit_status())  # non-zero when a sweep just ran and some of its jobs did not finish
 

@@ -3,30 +3,39 @@
 `import attnres` loads only torch: functional ops, residual strategies (drop-in modules),
 `TransformerEncoder` (torch's, with `residual=`) and the Transformer. The Lightning/Hydra
 runner lives in `attnres.training` and `cli.py`.
+
+The names below are loaded on first use (PEP 562), so that `attnres-run --help`, which only
+reads the config files, starts without importing torch.
 """
 
-from attnres import functional
-from attnres.model import Transformer
-from attnres.residual import (
-    BlockAttentionResidual,
-    DepthAttentionResidual,
-    DepthRecord,
-    FullAttentionResidual,
-    ResidualStrategy,
-    StandardResidual,
-    TransformerEncoder,
-)
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BlockAttentionResidual",
-    "DepthAttentionResidual",
-    "DepthRecord",
-    "FullAttentionResidual",
-    "ResidualStrategy",
-    "StandardResidual",
-    "Transformer",
-    "TransformerEncoder",
-    "functional",
-]
+_EXPORTS = {
+    "BlockAttentionResidual": "attnres.residual",
+    "DepthAttentionResidual": "attnres.residual",
+    "DepthRecord": "attnres.residual",
+    "FullAttentionResidual": "attnres.residual",
+    "ResidualStrategy": "attnres.residual",
+    "StandardResidual": "attnres.residual",
+    "TransformerEncoder": "attnres.residual",
+    "Transformer": "attnres.model",
+}
+
+__all__ = sorted([*_EXPORTS, "functional"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "functional":
+        return import_module("attnres.functional")
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'attnres' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -10,8 +10,68 @@ import importlib.util
 import sys
 from pathlib import Path
 
+GROUP_HELP = {
+    "residual": "the residual strategy (block reads the top-level num_blocks)",
+    "model": "the Transformer's shape",
+    "data": "what it trains on (no download needed)",
+    "trainer": "the Lightning Trainer: devices, precision, steps, validation interval",
+    "optim": "optimiser, learning-rate schedule, pseudo-query learning rate",
+    "logger": "where metrics go",
+    "callbacks": "checkpoints, progress, TensorBoard dashboards and HParams",
+    "experiment": "named studies that set several groups at once",
+    "debug": "short runs for checking a setup",
+    "hydra/launcher": "how a sweep's jobs run (-m)",
+}
+
+
+def conf_dir() -> Path:
+    """conf/ beside cli.py: inside the package in a wheel, at the top of a source checkout."""
+    inside = Path(__file__).resolve().parent / "conf"
+    return inside if inside.is_dir() else Path(__file__).resolve().parent.parent / "conf"
+
+
+def help_text(conf: Path) -> str:
+    """`attnres-run --help`, read from the YAML files alone (fast: no torch, Lightning or Hydra)."""
+    defaults, keys, in_defaults = {}, [], False
+    for line in (conf / "config.yaml").read_text().splitlines():
+        if line.startswith("defaults:"):
+            in_defaults = True
+        elif in_defaults and line.startswith("  - ") and ":" in line and "_self_" not in line:
+            group, _, rest = line[4:].partition(":")
+            defaults[group.replace("override ", "").strip()] = rest.split("#")[0].strip()
+        elif line and not line.startswith((" ", "#")):
+            in_defaults = line.startswith("defaults:")
+            key, _, rest = line.partition(":")
+            if key != "hydra":
+                keys.append((key, rest.split("#", 1)[1].strip() if "#" in rest else ""))
+    lines = [
+        "attnres-run: train a Transformer with the residual strategy of your choice, and compare them.",
+        "",
+        "usage: attnres-run [group=option ...] [key=value ...]     one run",
+        "       attnres-run -m key=a,b [key=x,y ...]               a sweep: every combination, in parallel",
+        "       attnres-run --cfg job [overrides]                  print the composed config, resolved",
+        "       attnres-run --hydra-help                           Hydra's own flags",
+        "",
+        "config groups (group=option; * the default):",
+    ]
+    for group, what in GROUP_HELP.items():
+        options = sorted(f.stem for f in (conf / group).glob("*.yaml"))
+        if group == "hydra/launcher":
+            options = sorted({*options, "basic"})
+        marked = [f"{o}*" if o == defaults.get(group.split("/")[-1], defaults.get(group)) else o for o in options]
+        lines.append(f"  {group:<15} {what}")
+        lines.append(f"  {'':<15}   {', '.join(marked)}")
+    lines += ["", "top-level keys (key=value):"]
+    lines += [f"  {key:<15} {what}" for key, what in keys]
+    lines += ["", "Override any key inside a group too: optim.optimizer.lr=1e-3, trainer.max_steps=300.",
+              "Each YAML file under conf/ documents its keys, their types and defaults."]
+    return "\n".join(lines)
+
 
 def main() -> None:
+    if len(sys.argv) == 2 and sys.argv[1] in ("--help", "-h"):
+        print(help_text(conf_dir()))
+        return
     # As with `python -m`, the current folder is importable, so a strategy in ./my_residual.py
     # plugs in with `residual._target_=my_residual.MyResidual`.
     if "" not in sys.path and sys.path[0] != str(Path.cwd()):
