@@ -87,7 +87,8 @@ MISTAKES = [
     ("max-steps-negative", ["trainer.max_steps=-5"], ["trainer.max_steps=-5", "an integer >= 1"]),
     ("batch-size-0", ["data.batch_size=0"], ["data.batch_size=0", "an integer >= 1"]),
     ("n-embd-vs-n-head", ["model.n_embd=30"], ["model.n_embd=30", "model.n_head=2", "model.n_embd=32"]),
-    ("num-blocks-0", ["residual=block", "num_blocks=0"], ["num_blocks=0", "integer >= 1"]),
+    ("num-blocks-0", ["residual=block", "num_blocks=0"], ["num_blocks=0 must divide the 4 sublayers", "1, 2, 4"]),
+    ("num-blocks-string", ["residual=block", "num_blocks=abc"], ["num_blocks=abc is not an integer", "1, 2, 4"]),
     ("precision", ["trainer.precision=bf17"], ["trainer.precision=bf17", "bf16-mixed"]),
     ("devices-0", ["trainer.devices=0"], ["trainer.devices=0", "trainer.devices=auto"]),
     ("deleted-key-in-use", ["~model.n_layer"], ["model.n_layer", "not found"]),
@@ -224,6 +225,7 @@ COMPOSED_MISTAKES = [
     ("betas", ["optim.optimizer.betas=[0.9,2]"], "two numbers in [0, 1)"),
     ("fast-dev-run", ["debug=fast_dev_run", "trainer.fast_dev_run=maybe"], "a number of batches"),
     ("cache-dir", ["data=stdlib", "data.cache_dir=/proc/attnres-cache"], "data.cache_dir="),
+    ("sweep-last-job", ["-m", "model.n_embd=32,36", "model.n_head=2,4"], "model.n_embd=36 must split into"),
     ("sweep-glob-type", ["-m", "residual=glob(*)", "num_blocks=2", "seed=0,x"], "seed=x is not an integer"),
 ]
 if not CUDA:
@@ -247,7 +249,8 @@ def test_composed_config(in_tmp, args, fragment):
     ["--help"], ["--version"], ["--info", "defaults"], ["+model.new_knob=1"], ["trainer.deterministic=warn"],
     ["callbacks.checkpoint.save_last=link"], ["trainer.devices=auto"], ["optim.schedule=null"],
     ["debug=fast_dev_run", "trainer.fast_dev_run=3"], ["trainer.max_steps=-1", "optim.total_steps=10"],
-    ["hydra/launcher=basic", "-m", "seed=0,1"], ["hydra.run.dir=elsewhere/run", "name=other"],
+    ["hydra/launcher=basic", "-m", "seed=0,1"], ["-m", "model.n_embd=32,64", "model.n_head=2,4,8", "seed=0,1"],
+    ["hydra.run.dir=elsewhere/run", "name=other"],
 ], ids=lambda a: " ".join(a) or "tiny")
 def test_good_commands_pass(in_tmp, args):
     flags = [a for a in args if a.startswith("-") or a in ("job", "defaults")]

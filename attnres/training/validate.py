@@ -460,24 +460,44 @@ def suggest(key: str, candidates: Sequence[str], sources: Sequence[str] | None =
 
 
 # == 3. the values ================================================================================
+#: the top-level keys that what `check_parts` builds depends on
+PARTS = ("data", "residual", "model", "optim", "num_blocks", "trainer")
+
+
 def check_values(combo: dict[str, Any], values: Sequence[Any]) -> None:
-    """Another job of a sweep: the config of the combination's first job, with this job's values."""
+    """Another job of a sweep: the config of the combination's first job, with this job's values
+    set (and set back afterwards: a copy per job would cost more than the checks)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     cfg = combo["cfg"]
-    if "user" not in combo:
-        combo["user"] = OmegaConf.to_container(cfg, resolve=False)
-        combo["user"].pop("hydra", None)
-    job = OmegaConf.create(combo["user"])
-    OmegaConf.set_struct(job, True)
+    if "job" not in combo:  # the first job's config without its hydra node, to set values in
+        user = OmegaConf.to_container(cfg, resolve=False)
+        user.pop("hydra", None)  # type: ignore[union-attr]
+        combo["job"] = OmegaConf.create(user)
+        OmegaConf.set_struct(combo["job"], True)
+        combo["first"] = {o.key_or_group: o for o in combo["values"]}
+    job, first = combo["job"], combo["first"]
+    changed = [o for o in values if o.input_line not in {f.input_line for f in first.values()}]
+    if not all(o.type.name == "CHANGE" and o.key_or_group in first for o in changed):  # +, ~: a config of its own
+        job = OmegaConf.create(OmegaConf.to_container(job, resolve=False))
+        OmegaConf.set_struct(job, True)
     try:
-        ConfigLoaderImpl._apply_overrides_to_config(list(values), job)
+        ConfigLoaderImpl._apply_overrides_to_config(changed, job)
     except Exception as err:  # the same failure that composing this job would have
         raise ConfigError(f"{' '.join(str(err).split())}; fix the override on the command line") from err
-    validate_config(job)
-    with hydra_config(cfg, combo["run_dir"]):
-        resolve_job(job)
-        check_parts(job)
+    try:
+        validate_config(job)
+        rebuilt = any(o.key_or_group.split(".", 1)[0] in PARTS for o in changed)  # what check_parts builds or reads
+        relinked = any(o.is_delete() or "${" in str(o.get_value_element_as_str()) for o in changed)
+        if rebuilt or relinked:
+            with hydra_config(cfg, combo["run_dir"]):
+                if relinked:
+                    resolve_job(job)
+                if rebuilt:
+                    check_parts(job)
+    finally:
+        if job is combo["job"]:
+            ConfigLoaderImpl._apply_overrides_to_config([first[o.key_or_group] for o in changed], job)
 
 
 #: bool keys that also take these values (Lightning's own)
@@ -800,7 +820,10 @@ def validate_config(cfg: DictConfig) -> None:
     Works on a job config with or without its `hydra` node, resolved or not. Sections whose
     `_target_` was swapped for another class are left to that class.
     """
+    blocks = _get(cfg, "residual.num_blocks") is not _ABSENT and _target(cfg, "residual").startswith("attnres.")
     for key, rule in _active_rules(cfg):
+        if key == "num_blocks" and blocks:
+            continue  # check_residual names the values that divide the sublayers
         value = _get(cfg, key)
         if value is not _ABSENT and rule.problem(value) is not None:
             raise ConfigError(f"{key}={_show(value)} {rule.problem(value)}; {rule.wanted(key)}")
@@ -860,8 +883,11 @@ def check_residual(cfg: DictConfig) -> None:
     blocks, n_layer = _get(cfg, "residual.num_blocks"), _get(cfg, "model.n_layer")
     if blocks is not _ABSENT and _is_int(n_layer) and n_layer >= 1:
         layers = 2 * n_layer
-        if not _is_int(blocks) or blocks < 1 or layers % blocks:
-            valid = ", ".join(str(d) for d in range(1, layers + 1) if layers % d == 0)
+        valid = ", ".join(str(d) for d in range(1, layers + 1) if layers % d == 0)
+        if not _is_int(blocks):
+            raise ConfigError(f"num_blocks={_show(blocks)} is not an integer; set num_blocks to one that divides the "
+                              f"{layers} sublayers (2 per transformer layer): {valid}")
+        if blocks < 1 or layers % blocks:
             raise ConfigError(f"num_blocks={blocks} must divide the {layers} sublayers (2 per transformer layer); "
                               f"valid values: {valid}")
     if _get(cfg, "residual.kernel") == "triton":
