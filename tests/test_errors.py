@@ -250,7 +250,7 @@ def test_composed_config(in_tmp, args, fragment):
     ["callbacks.checkpoint.save_last=link"], ["trainer.devices=auto"], ["optim.schedule=null"],
     ["debug=fast_dev_run", "trainer.fast_dev_run=3"], ["trainer.max_steps=-1", "optim.total_steps=10"],
     ["hydra/launcher=basic", "-m", "seed=0,1"], ["-m", "model.n_embd=32,64", "model.n_head=2,4,8", "seed=0,1"],
-    ["hydra.run.dir=elsewhere/run", "name=other"],
+    ["hydra.run.dir=elsewhere/run", "name=other"], ["residual=block", "num_blocks=2", "residual.block_sizes=[3,1]"],
 ], ids=lambda a: " ".join(a) or "tiny")
 def test_good_commands_pass(in_tmp, args):
     flags = [a for a in args if a.startswith("-") or a in ("job", "defaults")]
@@ -295,7 +295,11 @@ def _with(cfg, **values):
     ({"overwrite": "no"}, "overwrite=no is not a boolean"),
     ({"seed": "foo"}, "seed=foo is not an integer"),
     ({"seed": 2**32}, "seed=4294967296"),
-    ({"num_blocks": 3}, "num_blocks=3 must divide the 4 sublayers (2 per transformer layer); valid values: 1, 2, 4"),
+    ({"num_blocks": 3}, "num_blocks=3 must divide the 4 sublayers (2 per transformer layer), or give unequal "
+                        "blocks with residual.block_sizes=[...]; valid values: 1, 2, 4"),
+    ({"num_blocks": 2, "residual__block_sizes": [3, 2]}, "residual.block_sizes=[3,2] must be positive integers "
+                                                           "summing to the 4 sublayers"),
+    ({"num_blocks": 3, "residual__block_sizes": [3, 1]}, "num_blocks=3 disagrees with residual.block_sizes"),
     ({"model__n_embd": 30}, "model.n_embd=30 must split into model.n_head=2"),
     ({"model__n_head": 32}, "model.n_embd=32 must split into model.n_head=32"),
     ({"model__dropout": 1.0}, "model.dropout=1.0"),

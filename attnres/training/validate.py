@@ -792,7 +792,8 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "auto_insert_metric_name": BOOL, "enable_version_counter": BOOL,
     },
     ("callbacks.progress_bar", ("attnres.training.run.",)): {"refresh_rate": Rule("int", 0, example=10)},
-    ("logger.tensorboard", ("pytorch_lightning.loggers.", "lightning.pytorch.loggers.")): {"default_hp_metric": BOOL},
+    ("logger.tensorboard", ("pytorch_lightning.loggers.", "lightning.pytorch.loggers.",
+                            "attnres.training.callbacks.")): {"default_hp_metric": BOOL},
 }
 
 
@@ -881,6 +882,17 @@ def check_model(cfg: DictConfig) -> None:
 
 def check_residual(cfg: DictConfig) -> None:
     blocks, n_layer = _get(cfg, "residual.num_blocks"), _get(cfg, "model.n_layer")
+    sizes = _get(cfg, "residual.block_sizes")
+    if sizes not in (_ABSENT, None) and _is_int(n_layer) and n_layer >= 1:
+        layers = 2 * n_layer
+        listed = list(sizes) if isinstance(sizes, (list, tuple, ListConfig)) else None
+        if not listed or not all(_is_int(n) and n >= 1 for n in listed) or sum(listed) != layers:
+            raise ConfigError(f"residual.block_sizes={_show(sizes)} must be positive integers summing to the {layers} "
+                              f"sublayers (2 per transformer layer); e.g. residual.block_sizes=[{layers - 1},1]")
+        if _is_int(blocks) and blocks != len(listed):
+            raise ConfigError(f"num_blocks={blocks} disagrees with residual.block_sizes, which lists {len(listed)} "
+                              f"blocks; set num_blocks={len(listed)}")
+        return _check_kernel(cfg)
     if blocks is not _ABSENT and _is_int(n_layer) and n_layer >= 1:
         layers = 2 * n_layer
         valid = ", ".join(str(d) for d in range(1, layers + 1) if layers % d == 0)
@@ -888,8 +900,12 @@ def check_residual(cfg: DictConfig) -> None:
             raise ConfigError(f"num_blocks={_show(blocks)} is not an integer; set num_blocks to one that divides the "
                               f"{layers} sublayers (2 per transformer layer): {valid}")
         if blocks < 1 or layers % blocks:
-            raise ConfigError(f"num_blocks={blocks} must divide the {layers} sublayers (2 per transformer layer); "
-                              f"valid values: {valid}")
+            raise ConfigError(f"num_blocks={blocks} must divide the {layers} sublayers (2 per transformer layer), "
+                              f"or give unequal blocks with residual.block_sizes=[...]; valid values: {valid}")
+    _check_kernel(cfg)
+
+
+def _check_kernel(cfg: DictConfig) -> None:
     if _get(cfg, "residual.kernel") == "triton":
         fix = "use residual.kernel=auto (Triton on CUDA, fused PyTorch elsewhere) or residual.kernel=torch"
         if importlib.util.find_spec("triton") is None:
