@@ -41,6 +41,7 @@ from attnres.training.io import AtomicCheckpointIO
 from attnres.training.lit import LitLanguageModel
 from attnres.training.run import (
     check_checkpoint,
+    config_summary,
     describe_checkpoint,
     end_block,
     report,
@@ -76,6 +77,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         clean_stale_tmp(run_dir)
         ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
         log.info(f"run folder: {run_dir}" + (f" (resuming from {ckpt})" if ckpt else ""))
+        log.info(config_summary(cfg, info))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
         datamodule = instantiate(cfg.data)

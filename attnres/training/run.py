@@ -272,6 +272,21 @@ def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -
     return "\n".join(lines)
 
 
+def config_summary(cfg: DictConfig, info: dict[str, Any]) -> str:
+    """One line that says what this run trains, for the terminal and the run's log."""
+    residual = str(info.get("residual") or "?")
+    sizes, blocks = cfg.residual.get("block_sizes"), cfg.residual.get("num_blocks")
+    if sizes is not None:
+        residual += f" (blocks {list(sizes)})"
+    elif blocks is not None:
+        residual += f" (N={blocks})"
+    model = cfg.model
+    return (f"{residual}, model {info.get('model')} ({model.get('n_layer')} layers, {model.get('n_embd')} wide, "
+            f"{model.get('n_head')} heads), data {info.get('data')} (batch {cfg.data.get('batch_size')} x "
+            f"{cfg.data.get('block_size')}), {cfg.trainer.get('max_steps')} steps, "
+            f"lr {cfg.optim.optimizer.get('lr')}, seed {cfg.seed}")
+
+
 def describe_checkpoint(path: Path) -> str:
     """`path (step N)` for the checkpoint a user can go back to, or a note that there is none."""
     if not path.is_file():
