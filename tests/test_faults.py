@@ -292,3 +292,13 @@ def test_clear_previous_run_removes_every_output_of_the_old_run(tmp_path):
         (tmp_path / name).write_text("old")
     clear_previous_run(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "attnres.log"]  # the new run's, from Hydra
+
+
+def test_unbounded_run_trains_on_and_stops_on_sigterm(tmp_path):
+    """`trainer.max_steps=-1` (no step limit; the schedule's length from optim.total_steps) is
+    not "at its last step" from the start: it trains until the signal, then stops as usual."""
+    result = run("hydra.run.dir=run", "trainer.max_steps=-1", "optim.total_steps=50",
+                 *fault("KillAt", step=3, moment="step", sig="TERM"), cwd=tmp_path)
+    assert result.returncode == 143, (result.returncode, result.stderr[-2000:])
+    summary = metrics(tmp_path / "run")
+    assert summary["status"] == "interrupted" and summary["steps"] == 3, summary

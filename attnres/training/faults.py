@@ -63,6 +63,11 @@ class NonFiniteLoss(Exception):  # noqa: N818  (raised to stop training, caught 
         self.step, self.what = step, what
 
 
+def at_last_step(trainer: pl.Trainer) -> bool:
+    """Training has reached `max_steps` (never, for `max_steps=-1`: a run bounded otherwise)."""
+    return bool(trainer.max_steps and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
+
+
 # -- one process per run folder ---------------------------------------------------------------
 class RunLock:
     """An exclusive lock on `<run_dir>/.run.lock` for the life of a run; refuses a second run."""
@@ -193,7 +198,7 @@ class GracefulStop(pl.Callback):
         if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             return
         self.received = self.received or signal.SIGTERM
-        if trainer.global_step >= (trainer.max_steps or 0):
+        if at_last_step(trainer):
             return  # the last step: the run ends normally anyway
         if self.checkpoint is not None and not trainer.fast_dev_run:
             trainer.save_checkpoint(self.checkpoint, weights_only=False)
@@ -237,6 +242,6 @@ class PeriodicCheckpoint(pl.Callback):
         step = trainer.global_step
         due = bool(self.every_n_steps and step % self.every_n_steps == 0)
         due = due or bool(self.every_s and time.monotonic() - self._last_save >= self.every_s)
-        if due and not trainer.sanity_checking and not trainer.fast_dev_run and step < (trainer.max_steps or 0):
+        if due and not trainer.sanity_checking and not trainer.fast_dev_run and not at_last_step(trainer):
             trainer.save_checkpoint(self.path, weights_only=False)
             self._last_save = time.monotonic()

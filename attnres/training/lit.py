@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from attnres.training.data import exact_match
 from attnres.training.errors import ConfigError
-from attnres.training.faults import NonFiniteLoss
+from attnres.training.faults import NonFiniteLoss, at_last_step
 
 log = logging.getLogger("attnres")
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
@@ -163,7 +163,7 @@ class LitLanguageModel(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.trainer.max_steps and self.trainer.global_step >= self.trainer.max_steps:
+        if at_last_step(self.trainer):
             # the last step: Lightning then validates inside fit, so the checkpoint callback
             # also judges the final weights (best.ckpt exists even for a run shorter than
             # val_check_interval)

@@ -23,7 +23,7 @@ from pytorch_lightning.callbacks import ProgressBar
 
 from attnres.training import naming  # noqa: F401  (registers the run-folder resolver)
 from attnres.training.errors import ConfigError
-from attnres.training.faults import RunEnded, RunRefused, clear_previous_run
+from attnres.training.faults import RunEnded, RunRefused, at_last_step, clear_previous_run
 from attnres.training.io import DISK_FULL, read_json, write_json
 from attnres.training.lit import peak_memory_bytes
 
@@ -174,7 +174,7 @@ class StepProgressBar(ProgressBar):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self._enabled or not trainer.is_global_zero:
             return
-        step, last = trainer.global_step, trainer.global_step >= (trainer.max_steps or 0)
+        step, last = trainer.global_step, at_last_step(trainer)
         if self.bar is not None and (step % self.refresh_rate == 0 or last):
             self.bar.n = step
             self.bar.set_postfix(self._numbers(trainer, pl_module), refresh=False)
