@@ -78,6 +78,20 @@ class ResidualStrategy(nn.Module):
         """Record weights and magnitudes during the next forward pass only."""
         self._record_next = True
 
+    @property
+    def recording(self) -> bool:
+        """Whether the pass now running records (strategies may skip a fast path then)."""
+        return self._record is not None
+
+    def record_weights(self, index: int, weights: Tensor) -> None:
+        """Record sublayer `index`'s weights over its sources, (S, B, T) and summing to 1 over S
+        (expand input-independent weights to that shape), when this pass records. Index
+        `num_layers` is the output. Source 0 is the embedding; the rest follow the strategy's
+        docstring, so heatmaps of different strategies read the same way."""
+        if self._record is None:
+            return
+        self._record.weights[index] = weights.detach()
+
     # -- running -----------------------------------------------------------------------------
     def forward(self, first: Tensor | nn.TransformerEncoder, *args: Any, **kwargs: Any) -> Tensor:
         if isinstance(first, nn.TransformerEncoder):
@@ -201,8 +215,7 @@ class DepthAttentionResidual(ResidualStrategy):
         """Depth attention over `sources` with the query and key norm of `index`."""
         gain = None if self.key_norm_weight is None else self.key_norm_weight[index]
         h, weights = depth_attention(sources, self.pseudo_query[index], gain, self.eps, self.kernel)
-        if self._record is not None:
-            self._record.weights[index] = weights.detach()
+        self.record_weights(index, weights)
         return h
 
     def output(self, sources: Sequence[Tensor]) -> Tensor:
