@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 from attnres import BlockAttentionResidual, Transformer
+from attnres.labels import sublayer_label
 from attnres.training import LitLanguageModel, figures
 from attnres.training.callbacks import DepthDashboard
 from attnres.training.data import SyntheticDataModule
@@ -265,7 +266,7 @@ def _full_heatmap(num_sublayers: int):
     for r in range(L + 1):
         grid[r, : r + 1] = 1.0 / (r + 1)
     grid[L, L] = 0.5  # one large weight, so that the grids with only large values printed print it
-    rows = [figures.sublayer_label(i, L) for i in range(L + 1)]
+    rows = [sublayer_label(i, L) for i in range(L + 1)]
     cols = ["emb", *rows[:-1]]
     meta = {"strategy": "Full AttnRes", "rows": rows, "cols": cols, "sources": "source"}
     return figures.render("depth/heatmap", grid, meta, 0)
@@ -297,7 +298,7 @@ def test_compare_magnitude_has_input_and_output_panels_coloured_by_strategy(tmp_
     spec = importlib.util.spec_from_file_location("plot_run", REPO / "experiments" / "plot_run.py")
     plot_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_run)
-    labels = [figures.sublayer_label(i, L) for i in range(L)]
+    labels = [sublayer_label(i, L) for i in range(L)]
     rng = np.random.default_rng(0)
     results = {}
     for residual, strategy in (("standard", "Standard residual"), ("full", "Full AttnRes")):

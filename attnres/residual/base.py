@@ -73,6 +73,11 @@ class ResidualStrategy(nn.Module):
         self._record: DepthRecord | None = None
         self.recorded: DepthRecord | None = None
 
+    def depth_layout(self) -> tuple[str, list[str], str]:
+        """(name for figure titles, heatmap column labels, what the columns are). Column i is
+        source i of `record_weights`; with no labels the dashboards number the sources."""
+        return type(self).__name__, [], "source"
+
     # -- recording ---------------------------------------------------------------------------
     def record_next(self) -> None:
         """Record weights and magnitudes during the next forward pass only."""

@@ -150,6 +150,11 @@ class BlockAttentionResidual(DepthAttentionResidual):
                 inv_rms.append(key_inv_rms(partial, eps, kernel))
         return self.fast_output(blocks, inv_rms, queries, kernel)
 
+    def depth_layout(self) -> tuple[str, list[str], str]:
+        cols = ["emb", *(f"block {n}" for n in range(1, self.num_blocks + 1))]
+        return (f"Block AttnRes (N={self.num_blocks})", cols,
+                "source: the embedding, then each block (in a row, its own block is the partial sum so far)")
+
     def extra_repr(self) -> str:
         blocks = f"num_blocks={self.num_blocks}"
         if self.block_size is None:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from attnres.functional import completed_attention, key_inv_rms, merge_partial
+from attnres.labels import sublayer_label
 from attnres.residual.base import DepthAttentionResidual, Sublayer
 
 
@@ -44,6 +45,11 @@ class FullAttentionResidual(DepthAttentionResidual):
     ) -> None:
         super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel)
         self.chunk = min(4, max(1, round(math.sqrt(num_layers))))  # C, sublayers per phase-1 pass
+
+    def depth_layout(self) -> tuple[str, list[str], str]:
+        L = self.num_layers
+        return ("Full AttnRes", ["emb", *(sublayer_label(i, L) for i in range(L))],
+                "source: the embedding, then the output of each earlier sublayer")
 
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         kernel = self.fast_kernel(embedding)

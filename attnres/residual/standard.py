@@ -16,6 +16,9 @@ class StandardResidual(ResidualStrategy):
     def __init__(self, d_model: int, num_layers: int, eps: float = 1e-6) -> None:
         super().__init__(d_model, num_layers, eps)
 
+    def depth_layout(self) -> tuple[str, list[str], str]:
+        return "Standard residual", [], ""
+
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         h = embedding  # (B, T, D)
         for index, sublayer in enumerate(sublayers):

@@ -47,7 +47,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 
-from attnres.residual import FullAttentionResidual, StandardResidual
+from attnres.labels import sublayer_label
 from attnres.training import figures
 
 # The run's own metrics (logged by the LightningModule as train/*, val/*, as in metrics.json) are
@@ -169,21 +169,6 @@ def log_array(writer: Any, tag: str, array: np.ndarray, meta: Mapping[str, Any],
     _write_summary(writer, summary, step)
 
 
-def strategy_layout(residual: Any) -> tuple[str, list[str], str]:
-    """(name for titles, column labels of the heatmap, what the columns are) of a strategy."""
-    L = residual.num_layers
-    if hasattr(residual, "num_blocks"):
-        cols = ["emb", *(f"block {n}" for n in range(1, residual.num_blocks + 1))]
-        return (f"Block AttnRes (N={residual.num_blocks})", cols,
-                "source: the embedding, then each block (in a row, its own block is the partial sum so far)")
-    if isinstance(residual, FullAttentionResidual):
-        return ("Full AttnRes", ["emb", *(figures.sublayer_label(i, L) for i in range(L))],
-                "source: the embedding, then the output of each earlier sublayer")
-    if isinstance(residual, StandardResidual):
-        return "Standard residual", [], ""
-    return type(residual).__name__, [], "source"  # a plugin strategy: sources are numbered when weights come
-
-
 class DepthDashboard(pl.Callback):
     """Depth-attention heatmaps, magnitudes and gradient norms across depth (module docstring).
 
@@ -268,7 +253,7 @@ class DepthDashboard(pl.Callback):
             model.train(was_training)
         self._last_probe_step = step
         if record is not None:
-            name, cols, sources = strategy_layout(residual)
+            name, cols, sources = residual.depth_layout()
             self.log_magnitudes(record, name, step)
             if residual.has_depth_attention and record.weights:
                 self.log_depth_weights(record, name, cols, sources, step)
@@ -288,7 +273,7 @@ class DepthDashboard(pl.Callback):
             sub = figures.sublayer_tag(index, L)
             self._writer.add_scalar(f"magnitude/input/{sub}", float(data[0, index]), step)
             self._writer.add_scalar(f"magnitude/output/{sub}", float(data[1, index]), step)
-        self._image("magnitude/plot", data, {"strategy": name, "labels": [figures.sublayer_label(i, L)
+        self._image("magnitude/plot", data, {"strategy": name, "labels": [sublayer_label(i, L)
                                                                            for i in range(L)]}, step)
 
     def log_depth_weights(self, record: Any, name: str, cols: Sequence[str], sources: str, step: int) -> None:
@@ -309,7 +294,7 @@ class DepthDashboard(pl.Callback):
             if self.histograms:
                 self._writer.add_histogram(f"depth/weights/{sub}", w.flatten().cpu().numpy(), step,
                                            bins=np.linspace(0.0, 1.0, 41))
-        row_labels = [figures.sublayer_label(i, L) for i in rows]
+        row_labels = [sublayer_label(i, L) for i in rows]
         meta = {"strategy": name, "rows": row_labels, "cols": cols, "sources": sources}
         self._image("depth/heatmap", grid, meta, step)
 
@@ -325,7 +310,7 @@ class DepthDashboard(pl.Callback):
         for k, value in enumerate(values):
             if not math.isnan(value):
                 self._writer.add_scalar(f"grad_norm/layer_{k:02d}", float(value), step)
-        name = strategy_layout(model.residual)[0]
+        name = model.residual.depth_layout()[0]
         self._image("grad_norm/plot", values, {"strategy": name, "labels": [f"L{k}" for k in range(len(values))]},
                     step)
         self.probe_seconds += time.perf_counter() - start

@@ -34,13 +34,6 @@ _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#
 
 
 # -- labels -------------------------------------------------------------------------------------
-def sublayer_label(index: int, num_sublayers: int) -> str:
-    """'L3 mlp' for sublayer 7; 'output' for the output aggregation (index == L)."""
-    if index == num_sublayers:
-        return "output"
-    return f"L{index // 2} {'attn' if index % 2 == 0 else 'mlp'}"
-
-
 def sublayer_tag(index: int, num_sublayers: int) -> str:
     """'L03_mlp' for sublayer 7 (zero-padded so TensorBoard sorts by depth); 'output'."""
     if index == num_sublayers:
