@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from attnres.ops import naive_depth_attention
+from attnres.ops.naive import naive_generalized_depth_attention
 from attnres.ops.torch_fused import fold_queries
 
 __all__ = [
@@ -53,12 +54,15 @@ __all__ = [
     "depth_attention",
     "fold_queries",
     "full_attn_res",
+    "generalized_depth_attention",
     "key_inv_rms",
     "merge_partial",
     "resolve_kernel",
+    "static_depth_mixing",
 ]
 
 KERNELS = ("auto", "triton", "torch", "naive")
+SCORINGS = ("softmax", "sigmoid")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRITON_MAX_D = 8192  # whole rows live in registers; wider rows spill (experiments/kernel_resources.py)
 
@@ -109,17 +113,9 @@ def _impl(kernel: str) -> ModuleType:
     return torch_fused
 
 
-def _check(
-    sources: Sequence[Tensor],
-    pseudo_query: Tensor,
-    norm_weight: Tensor | None,
-    eps: float,
-    output_norm_weight: Tensor | None = None,
-) -> None:
+def _check_sources(sources: Sequence[Tensor]) -> None:
     if not sources:
         raise ValueError("depth attention needs at least one source, got none")
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
     first = sources[0]
     if first.dim() == 0 or first.shape[-1] == 0:
         raise ValueError(
@@ -136,8 +132,28 @@ def _check(
                 f"all sources must share dtype and device: source 0 is {first.dtype} on {first.device}, "
                 f"source {i} is {v.dtype} on {v.device}"
             )
+
+
+def _check(
+    sources: Sequence[Tensor],
+    pseudo_query: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    output_norm_weight: Tensor | None = None,
+    per_token_query: bool = False,
+) -> None:
+    if sources and not (isinstance(eps, (int, float)) and eps > 0):  # no sources is reported first
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    _check_sources(sources)
+    first = sources[0]
     d = first.shape[-1]
-    if pseudo_query.shape != (d,):
+    if per_token_query and pseudo_query.dim() > 1:  # one query per token: the sources' shape
+        if pseudo_query.shape != first.shape:
+            raise ValueError(
+                f"a per-token pseudo_query must have the sources' shape {tuple(first.shape)}, "
+                f"got {tuple(pseudo_query.shape)}"
+            )
+    elif pseudo_query.shape != (d,):
         raise ValueError(f"pseudo_query must have shape ({d},) to match D={d}, got {tuple(pseudo_query.shape)}")
     for name, weight in (("norm_weight", norm_weight), ("output_norm_weight", output_norm_weight)):
         if weight is not None and weight.shape != (d,):
@@ -167,6 +183,52 @@ def depth_attention(
     if kernel == "naive":
         return naive_depth_attention(sources, pseudo_query, norm_weight, eps, output_norm_weight)
     return _impl(kernel).fused_depth_attention(sources, pseudo_query, norm_weight, eps, output_norm_weight)
+
+
+def generalized_depth_attention(
+    sources: Sequence[Tensor],
+    pseudo_query: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    scoring: str = "softmax",
+    heads: int = 1,
+    key_norm: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Depth attention with the ablation options of arXiv 2603.15031; the defaults give
+    `depth_attention` (to rounding). Always the reference implementation, in plain PyTorch.
+
+    `pseudo_query`: (D,), or one query per token, (..., D) of the sources' shape.
+    `scoring`: "softmax", or "sigmoid" (weights sigmoid(logit_i) / sum_j sigmoid(logit_j)).
+    `heads`: H dividing D; each group of D / H channels has its own logits, key statistics and
+    normalisation. `key_norm=False`: logits from the raw sources. Returns `(h, weights)`,
+    weights (S, ...) averaged over heads (`attnres.ops.naive.naive_generalized_depth_attention`).
+    """
+    sources = list(sources)
+    _check(sources, pseudo_query, norm_weight, eps, per_token_query=True)
+    d = sources[0].shape[-1]
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")
+    if not (isinstance(heads, int) and not isinstance(heads, bool) and heads >= 1 and d % heads == 0):
+        raise ValueError(f"heads={heads!r} must be a positive int dividing D={d}")
+    return naive_generalized_depth_attention(sources, pseudo_query, norm_weight, eps, scoring, heads, bool(key_norm))
+
+
+def static_depth_mixing(sources: Sequence[Tensor], logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Input-independent mixing (arXiv 2603.15031, ablation study): weights softmax(logits)
+    over the S sources, the same for every token; no queries, no keys. `logits`: (S,).
+    Returns `(h, weights)` as `depth_attention` does: h (..., D), weights (S, ...)."""
+    sources = list(sources)
+    _check_sources(sources)
+    if logits.shape != (len(sources),):
+        raise ValueError(f"logits must have shape ({len(sources)},), one per source, got {tuple(logits.shape)}")
+    compute_dtype = torch.promote_types(sources[0].dtype, torch.float32)
+    alpha = torch.softmax(logits.to(compute_dtype), dim=0)  # (S,)
+    h = alpha[0] * sources[0].to(compute_dtype)
+    for a, v in zip(alpha[1:], sources[1:], strict=True):
+        h = h + a * v.to(compute_dtype)
+    weights = alpha.reshape(-1, *(1,) * (sources[0].dim() - 1)).expand(-1, *sources[0].shape[:-1])
+    return h.to(sources[0].dtype), weights.to(sources[0].dtype)
 
 
 # ------------------------------------------------------------------------------------------------

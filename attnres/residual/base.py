@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnres.functional import KERNELS, completed_attention, depth_attention, fold_queries, resolve_kernel
+from attnres.residual.ablations import DEFAULTS, ablated_mix, check_ablations, options_repr
 
 Sublayer = Callable[..., Tensor]
 
@@ -182,6 +183,15 @@ class DepthAttentionResidual(ResidualStrategy):
     implementation. Except with "naive", passes that do not record take the two-phase fast
     path (`fast_kernel`); recording passes run one depth attention per sublayer through
     `attend`, so the recorded weights are those of exactly the op the strategy defines.
+
+    The paper's ablations are options (`attnres.residual.ablations` has what each computes):
+    `query` ("static" | "input"), `mixing` ("attention" | "static"), `scoring` ("softmax" |
+    "sigmoid"), `key_norm` (True | False) and `heads` (H dividing D); the defaults are AttnRes
+    as above. Any other value takes the reference path on every pass. The parameters follow
+    the options: `pseudo_query` (L + 1, D) for a static query, `query_proj` (L + 1, D, D) for
+    an input-dependent one, `key_norm_weight` (L + 1, D) with a key norm and its gain,
+    `mixing_logits` (L + 1, max_sources) for static mixing; the others are None.
+    `max_sources` is the most sources a row has (default L + 1, Full AttnRes's output).
     """
 
     has_depth_attention = True
@@ -194,32 +204,60 @@ class DepthAttentionResidual(ResidualStrategy):
         key_norm_gain: bool = True,
         output_aggregation: bool = True,
         kernel: str = "auto",
+        *,
+        query: str = "static",
+        mixing: str = "attention",
+        scoring: str = "softmax",
+        key_norm: bool = True,
+        heads: int = 1,
+        max_sources: int | None = None,
     ) -> None:
         super().__init__(d_model, num_layers, eps)
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        check_ablations(d_model, query, mixing, scoring, key_norm, heads)
         self.kernel = kernel
         self.output_aggregation = output_aggregation
-        self.pseudo_query = nn.Parameter(torch.zeros(num_layers + 1, d_model))  # (L + 1, D)
-        self.key_norm_weight = nn.Parameter(torch.ones(num_layers + 1, d_model)) if key_norm_gain else None
+        self.query, self.mixing, self.scoring, self.key_norm, self.heads = query, mixing, scoring, key_norm, heads
+        # any ablation runs the reference op on every pass (`fast_kernel`)
+        self.ablated = any(getattr(self, name) != value for name, value in DEFAULTS.items())
+        rows, attention = num_layers + 1, mixing == "attention"
+        self.pseudo_query = nn.Parameter(torch.zeros(rows, d_model)) if attention and query == "static" else None
+        # zero, so step 0 still reads the uniform mean
+        self.query_proj = nn.Parameter(torch.zeros(rows, d_model, d_model)) if attention and query == "input" else None
+        gain = attention and key_norm and key_norm_gain
+        self.key_norm_weight = nn.Parameter(torch.ones(rows, d_model)) if gain else None
+        width = num_layers + 1 if max_sources is None else max_sources
+        self.mixing_logits = None if attention else nn.Parameter(torch.zeros(rows, width))  # (L + 1, S_max)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.pseudo_query.zero_()
+            for zeros in (self.pseudo_query, self.query_proj, self.mixing_logits):
+                if zeros is not None:
+                    zeros.zero_()
             if self.key_norm_weight is not None:
                 self.key_norm_weight.fill_(1.0)
 
     def fast_kernel(self, like: Tensor) -> str | None:
         """The implementation of the two-phase fast path for inputs like `like`, or None when
-        this pass takes the one-attention-per-sublayer path (recording, or kernel="naive")."""
-        if self._record is not None or self.kernel == "naive":
+        this pass takes the one-attention-per-sublayer path (recording, kernel="naive", or an
+        ablation option)."""
+        if self._record is not None or self.kernel == "naive" or self.ablated:
             return None
         return resolve_kernel(self.kernel, like)
 
-    def attend(self, index: int, sources: Sequence[Tensor]) -> Tensor:
-        """Depth attention over `sources` with the query and key norm of `index`."""
+    def mix(self, index: int, sources: Sequence[Tensor], columns: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+        """(h, weights (S, ...)) of depth attention over `sources` with the parameters of
+        `index`, not recorded. `columns`: each source's index in the row, when `sources` are
+        not its first S (a window)."""
+        if self.ablated:
+            return ablated_mix(self, index, sources, columns)
         gain = None if self.key_norm_weight is None else self.key_norm_weight[index]
-        h, weights = depth_attention(sources, self.pseudo_query[index], gain, self.eps, self.kernel)
+        return depth_attention(sources, self.pseudo_query[index], gain, self.eps, self.kernel)
+
+    def attend(self, index: int, sources: Sequence[Tensor]) -> Tensor:
+        """Depth attention over `sources` with the query and key norm of `index`, recorded."""
+        h, weights = self.mix(index, sources)
         self.record_weights(index, weights)
         return h
 
@@ -244,5 +282,5 @@ class DepthAttentionResidual(ResidualStrategy):
         return (
             f"d_model={self.d_model}, num_layers={self.num_layers}, eps={self.eps}, "
             f"key_norm_gain={self.key_norm_weight is not None}, output_aggregation={self.output_aggregation}, "
-            f"kernel={self.kernel!r}"
+            f"kernel={self.kernel!r}" + options_repr(self)  # the ablation options set, if any
         )

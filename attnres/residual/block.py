@@ -89,6 +89,11 @@ class BlockAttentionResidual(DepthAttentionResidual):
     last block, say). With `block_sizes`, `num_blocks` may be left out; given, it must
     equal `len(block_sizes)`. `self.block_sizes` is the tuple either way, `self.block_size`
     the common S of equal blocks (None for unequal ones).
+
+    The ablation options (`query`, `mixing`, `scoring`, `key_norm`, `heads`) are those of
+    `DepthAttentionResidual` (`attnres.residual.ablations`); an input-dependent query reads
+    the partial block, or at a block's first sublayer the latest completed block. `window` is
+    a Full AttnRes option and raises here.
     """
 
     def __init__(
@@ -101,9 +106,21 @@ class BlockAttentionResidual(DepthAttentionResidual):
         output_aggregation: bool = True,
         kernel: str = "auto",
         block_sizes: Sequence[int] | None = None,
+        *,
+        query: str = "static",
+        mixing: str = "attention",
+        scoring: str = "softmax",
+        key_norm: bool = True,
+        heads: int = 1,
+        window: None = None,
     ) -> None:
+        if window is not None:
+            raise ValueError(f"window={window!r} is a Full AttnRes option (a sliding window over its per-sublayer "
+                             "sources); Block AttnRes bounds its sources by num_blocks: use residual=full with "
+                             "residual.window, or drop window")
         sizes = resolve_block_sizes(num_layers, num_blocks, block_sizes)
-        super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel)
+        super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel, query=query,
+                         mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads, max_sources=len(sizes) + 1)
         self.block_sizes = sizes
         self.num_blocks = len(sizes)
         self.block_size = sizes[0] if len(set(sizes)) == 1 else None  # S, sublayers per block, if equal

@@ -4,6 +4,10 @@ Sublayer l reads depth attention over [e, f_0(h_0), ..., f_{l-1}(h_{l-1})] with 
 zero-initialised pseudo-query; the output aggregates over e and all L outputs.
 Memory O(L * D) per token.
 
+`window=W` (an ablation, arXiv 2603.15031): sublayer l, and the output, attend over the
+embedding and the last W sources only; W >= L is Full AttnRes exactly. The other ablation
+options are those of `DepthAttentionResidual` (`attnres.residual.ablations`).
+
 Fast path: every source's key statistic is computed once, when it appears. Sublayers are
 taken in chunks of C (about sqrt(L), at most 4): at the start of a chunk the C queries meet
 all sources so far in one batched pass (phase 1), and each later sublayer of the chunk
@@ -23,6 +27,7 @@ from torch import Tensor
 
 from attnres.functional import completed_attention, key_inv_rms, merge_partial
 from attnres.labels import sublayer_label
+from attnres.residual.ablations import check_window
 from attnres.residual.base import DepthAttentionResidual, Sublayer
 
 
@@ -31,7 +36,8 @@ class FullAttentionResidual(DepthAttentionResidual):
     `forward(encoder, src, mask=None, src_key_padding_mask=None, is_causal=None)`.
 
     Owns `num_layers + 1` pseudo-queries and key norms; the last is the output
-    aggregation, which `forward` returns (DESIGN.md section 2, "Output").
+    aggregation, which `forward` returns (DESIGN.md section 2, "Output"). `window`: None
+    (every source), or W >= 1, the embedding plus the last W sources (module docstring).
     """
 
     def __init__(
@@ -42,14 +48,40 @@ class FullAttentionResidual(DepthAttentionResidual):
         key_norm_gain: bool = True,
         output_aggregation: bool = True,
         kernel: str = "auto",
+        *,
+        query: str = "static",
+        mixing: str = "attention",
+        scoring: str = "softmax",
+        key_norm: bool = True,
+        heads: int = 1,
+        window: int | None = None,
     ) -> None:
-        super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel)
+        super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel, query=query,
+                         mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads)
+        self.window = check_window(window, num_layers)
+        self.ablated = self.ablated or self.window is not None  # the window takes the reference path too
         self.chunk = min(4, max(1, round(math.sqrt(num_layers))))  # C, sublayers per phase-1 pass
 
     def depth_layout(self) -> tuple[str, list[str], str]:
         L = self.num_layers
-        return ("Full AttnRes", ["emb", *(sublayer_label(i, L) for i in range(L))],
-                "source: the embedding, then the output of each earlier sublayer")
+        window = "" if self.window is None else f" (W={self.window})"
+        outside = "" if self.window is None else f"; weight 0 outside the embedding and the last {self.window}"
+        return ("Full AttnRes" + window, ["emb", *(sublayer_label(i, L) for i in range(L))],
+                "source: the embedding, then the output of each earlier sublayer" + outside)
+
+    def attend(self, index: int, sources: Sequence[Tensor]) -> Tensor:
+        """Depth attention as the base class has it, over the embedding and the last `window`
+        sources when there are more; the recorded row keeps one column per source (0 outside)."""
+        W = self.window
+        if W is None or len(sources) <= W + 1:
+            return super().attend(index, sources)
+        columns = [0, *range(len(sources) - W, len(sources))]
+        h, weights = self.mix(index, [sources[i] for i in columns], columns)
+        if self.recording:
+            row = weights.new_zeros((len(sources), *weights.shape[1:]))  # (S, B, T)
+            row[columns] = weights
+            self.record_weights(index, row)
+        return h
 
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         kernel = self.fast_kernel(embedding)
@@ -82,3 +114,6 @@ class FullAttentionResidual(DepthAttentionResidual):
             if index + 1 < L or self.output_aggregation:
                 inv_rms.append(key_inv_rms(sources[-1], eps, kernel))
         return self.fast_output(sources, inv_rms, queries, kernel)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.window is None else f", window={self.window}")
