@@ -15,9 +15,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "BlockAttentionResidual": "attnres.residual",
+    "DenseFormerResidual": "attnres.residual",
     "DepthAttentionResidual": "attnres.residual",
     "DepthRecord": "attnres.residual",
     "FullAttentionResidual": "attnres.residual",
+    "HyperConnectionResidual": "attnres.residual",
+    "ManifoldHyperConnectionResidual": "attnres.residual",
     "ResidualStrategy": "attnres.residual",
     "StandardResidual": "attnres.residual",
     "TransformerEncoder": "attnres.residual",
