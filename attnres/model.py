@@ -149,11 +149,14 @@ class Transformer(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.init_std)
 
-    def num_parameters(self, exclude_residual: bool = False) -> int:
-        params = {id(p): p for p in self.parameters()}  # tied weights count once
-        if exclude_residual:
-            for p in self.residual.parameters():
-                params.pop(id(p), None)
+    def num_parameters(self, exclude_residual: bool = False, exclude_embedding: bool = False) -> int:
+        """Parameters, tied weights counted once. `exclude_embedding` leaves out the token
+        embedding and the LM head (the N of scaling laws: Kaplan et al. 2020, section 2.1)."""
+        params = {id(p): p for p in self.parameters()}
+        dropped = [*(self.residual.parameters() if exclude_residual else ()),
+                   *((self.embed.weight, self.head.weight) if exclude_embedding else ())]
+        for p in dropped:
+            params.pop(id(p), None)
         return sum(p.numel() for p in params.values())
 
     def forward(

@@ -151,3 +151,12 @@ def test_import_is_light():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"import attnres pulled in {result.stdout.strip()}"
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_non_embedding_parameters_leave_out_embedding_and_head(tie):
+    model = Transformer(vocab_size=50, n_layer=2, n_embd=16, n_head=2, block_size=8, tie_embeddings=tie)
+    D, V = 16, 50
+    per_layer = 4 * D * D + 8 * D * D + 2 * D  # qkv + proj, the 4x GELU MLP, two pre-norms
+    assert model.num_parameters(exclude_embedding=True) == 2 * per_layer + D  # + the final norm
+    assert model.num_parameters() == model.num_parameters(exclude_embedding=True) + V * D * (1 if tie else 2)

@@ -223,6 +223,9 @@ def write_summary(
         "parameters_without_residual": (
             model.num_parameters(exclude_residual=True) if hasattr(model, "num_parameters") else None
         ),
+        "non_embedding_parameters": (
+            model.num_parameters(exclude_embedding=True) if hasattr(model, "num_parameters") else None
+        ),
         "tokens_seen": module.tokens_seen,
         "steps": trainer.global_step,
         "skipped_steps": getattr(module, "skipped_steps", 0),
