@@ -25,9 +25,13 @@ paper fixes neither phi's nor the biases' initial values in the text followed he
 this project's choices.
 
 Parameters per sublayer: n D (n^2 + 2n) for phi, n^2 + 2n biases and 3 gates.
-Memory per token: the n streams, n * D at a time; autograd keeps each sublayer's streams and
-their normalised copy (about 2 n D per sublayer beyond the standard residual's input) plus
-the Sinkhorn iterates (2 t_max n^2 values per sublayer, small for n = 4).
+Memory per token (what autograd keeps beyond the standard residual, per sublayer): as HC,
+(2n + 1) D (the streams, their flattened RMS-normalised copy, the sublayer output), plus the
+Sinkhorn iterates, 2 t_max (n^2 + n) + n^2 values (816 for n = 4, t_max = 20: 1.1 D at
+D = 768 but 8.5 D at D = 96). Measured 10.2 D at gpt-small, 18.1 D at tiny
+(experiments/strategy_costs.py). The paper recomputes these in the backward instead
+(section 4.3); this reference path does not. Between sublayers only the n streams, n * D per
+token, are live.
 """
 
 from __future__ import annotations
