@@ -266,6 +266,19 @@ def test_sigmoid_weights_are_normalised_even_when_every_score_underflows(rel_err
     assert rel_err(w, torch.softmax(logits, dim=0)[:, None, None].expand(-1, 2, 3)) < 1e-12
 
 
+@pytest.mark.parametrize("kind,opts", PARAMS)
+def test_options_train_under_autocast_like_the_default(kind, opts):
+    """bf16 autocast gives a float32 embedding and bf16 sublayer outputs: the options take them
+    as the default's fast path does, returning its dtype, with gradients for every parameter."""
+    strategy, default = build(kind, opts).float(), build(kind, {}).float()
+    fs, e = make_sublayers(strategy.num_layers).float(), inputs().float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = strategy(e, fs), default(e, fs)
+        out.float().pow(2).sum().backward()
+    assert out.dtype == expected.dtype and torch.isfinite(out).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in strategy.parameters())
+
+
 # ------------------------------------------------------------------------------------------------
 # gradients
 # ------------------------------------------------------------------------------------------------
