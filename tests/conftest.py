@@ -5,6 +5,7 @@ relative-error measure every forward and gradient comparison uses."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +15,11 @@ import torch
 # before tests/test_kernels.py is collected, so it is set here, before any test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Sweeps claim device slots in a lock folder shared by every sweep of the user (sweep.py), so a
+# sweep the user runs beside the tests would hold the tests' slots and stall them: the tests'
+# sweeps (subprocesses inherit this) get a folder of their own unless a test names one.
+os.environ.setdefault("ATTNRES_LOCK_DIR", tempfile.mkdtemp(prefix="attnres-test-slots-"))
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
