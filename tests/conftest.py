@@ -4,7 +4,9 @@ relative-error measure every forward and gradient comparison uses."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -19,7 +21,9 @@ if not torch.cuda.is_available():
 # Sweeps claim device slots in a lock folder shared by every sweep of the user (sweep.py), so a
 # sweep the user runs beside the tests would hold the tests' slots and stall them: the tests'
 # sweeps (subprocesses inherit this) get a folder of their own unless a test names one.
-os.environ.setdefault("ATTNRES_LOCK_DIR", tempfile.mkdtemp(prefix="attnres-test-slots-"))
+if "ATTNRES_LOCK_DIR" not in os.environ:
+    os.environ["ATTNRES_LOCK_DIR"] = tempfile.mkdtemp(prefix="attnres-test-slots-")
+    atexit.register(shutil.rmtree, os.environ["ATTNRES_LOCK_DIR"], ignore_errors=True)
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
