@@ -32,7 +32,8 @@ and reduces to the default at initialisation:
   own D / H channels (as per-head QK-norm does), so each head is scale-invariant by itself;
   the gain and query are sliced per head, so H adds no parameters. Recorded weights are the
   mean over heads.
-- `window=W`: also for the output aggregation; W >= L is Full AttnRes exactly. Recorded rows
+- `window=W`: also for the output aggregation; W >= L hides no source, so it is Full AttnRes
+  exactly, fast path included. Recorded rows
   keep the source columns, with weight 0 on the sources outside the window.
 
 Any non-default option takes the reference path (one attention per sublayer, plain PyTorch,

@@ -59,7 +59,8 @@ class FullAttentionResidual(DepthAttentionResidual):
         super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel, query=query,
                          mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads)
         self.window = check_window(window, num_layers)
-        self.ablated = self.ablated or self.window is not None  # the window takes the reference path too
+        # a window that hides a source takes the reference path too; W >= L hides none
+        self.ablated = self.ablated or (self.window is not None and self.window < num_layers)
         self.chunk = min(4, max(1, round(math.sqrt(num_layers))))  # C, sublayers per phase-1 pass
 
     def depth_layout(self) -> tuple[str, list[str], str]:
