@@ -32,12 +32,14 @@ and reduces to the default at initialisation:
   own D / H channels (as per-head QK-norm does), so each head is scale-invariant by itself;
   the gain and query are sliced per head, so H adds no parameters. Recorded weights are the
   mean over heads.
-- `window=W`: also for the output aggregation; W >= L hides no source, so it is Full AttnRes
-  exactly, fast path included. Recorded rows
-  keep the source columns, with weight 0 on the sources outside the window.
+- `window=W`: also for the output aggregation. Recorded rows keep the source columns, with
+  weight 0 on the sources outside the window. W >= L hides no source: Full AttnRes exactly.
 
-Any non-default option takes the reference path (one attention per sublayer, plain PyTorch,
-whatever `kernel` says); the default configuration's fast path is untouched.
+Any non-default option (a window W < L included) takes the reference path (one attention per
+sublayer, plain PyTorch, whatever `kernel` says); the default configuration's fast path is
+untouched. Parameters train in `attnres.training.lit.parameter_groups`' groups by name:
+`query_proj` with the pseudo-queries (no decay, `query_lr_scale`), `mixing_logits` with the
+other strategy parameters (no decay, the model's learning rate).
 """
 
 from __future__ import annotations
