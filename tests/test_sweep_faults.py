@@ -291,7 +291,7 @@ def test_summarize_counts_unfinished_jobs_and_finds_nested_folders(tmp_path):
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "3 jobs, 1 finished, 1 failed, 1 unfinished" in result.stdout.splitlines()[0], result.stdout
-    header = (sweep / "summary.md").read_text().splitlines()[2]
+    header = next(line for line in (sweep / "summary.md").read_text().splitlines() if line.startswith("3 jobs"))
     assert header.startswith("3 jobs: 1 finished, 1 failed, 1 unfinished."), header
     assert "not" not in header.split(".")[0]
 

@@ -42,7 +42,7 @@ def sublayer_tag(index: int, num_sublayers: int) -> str:
 
 
 # -- the three figures --------------------------------------------------------------------------
-def _new_figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -99,7 +99,7 @@ def depth_heatmap(
 
     R, C = weights.shape
     width, height = heatmap_figsize(R, C)
-    fig = _new_figure(width, height)
+    fig = new_figure(width, height)
     left, right, top, bottom = _heatmap_margins(C)
     ax = fig.add_axes((left / width, bottom / height, 1 - (left + right) / width, 1 - (top + bottom) / height))
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#e6e6e6")
@@ -142,7 +142,7 @@ def depth_profile(
     longest = max((len(s) for s in xlabels), default=1)
     vertical = longest > 3
     width, height = max(6.4, 2.2 + 0.34 * n), 4.4 + (0.07 * longest if vertical else 0.0)
-    fig = _new_figure(width, height)
+    fig = new_figure(width, height)
     left, right, top, bottom = 0.95, 0.3, 0.75, 0.55 + (0.075 * longest if vertical else 0.15)
     ax = fig.add_axes((left / width, bottom / height, 1 - (left + right) / width, 1 - (top + bottom) / height))
     x = np.arange(n)
@@ -228,7 +228,7 @@ def compare_profiles(
     bottom = 0.55 + (0.075 * longest if vertical else 0.15)
     width = max(6.4, 1.25 + 0.3 * n) + legend_w
     height = top + bottom + len(panels) * panel_h + (len(panels) - 1) * gap
-    fig = _new_figure(width, height)
+    fig = new_figure(width, height)
     x = np.arange(n)
     attn = np.array(["attn" in s for s in xlabels])
     mlp = np.array(["mlp" in s for s in xlabels])

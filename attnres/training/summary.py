@@ -1,9 +1,11 @@
-"""Sweep summaries: one row per job in summary.csv and summary.md, and summary.png with the
-final validation metric by residual and num_blocks (mean and spread over seeds).
+"""Sweep summaries: the verdicts first, then one row per job, in summary.md and summary.csv,
+and summary.png: each configuration's difference from its paired standard baseline (interval
+and per-seed dots, zero marked) beside the validation curves over steps.
 
 Rebuilt from the run folders alone, so `experiments/summarize.py SWEEP_DIR` can redo it. A run
 folder is any folder below the sweep folder that holds `.hydra/`; a job is labelled by the
-overrides of `.hydra/overrides.yaml` that differ between the jobs, not by its folder name.
+overrides of `.hydra/overrides.yaml` that differ between the jobs, not by its folder name, and a
+configuration by those less the seed. Verdicts: `attnres.training.verdict` (DESIGN.md section 6).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import csv
 import io
 import os
 import re
-import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,16 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from attnres.training import verdict
 from attnres.training.io import atomic_write, read_json
 
-COLUMNS = ["job", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
-           "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error"]
+COLUMNS = ["job", "config", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
+           "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error", *verdict.COLUMNS]
+#: configuration keys that do not change what a run computes, left out when matching baselines
+NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "trainer.enable_progress_bar",
+                "data.num_workers", "callbacks", "logger")
+#: the residual strategy's own keys: a baseline differs from its candidates in these only
+STRATEGY_KEYS = ("residual", "num_blocks")
 #: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed
 #: before it could say); "duplicate": the same run as another job of the sweep, not run again
 STATUS_ORDER = ("finished", "failed", "interrupted", "unfinished", "duplicate")
@@ -68,8 +75,30 @@ def parse_overrides(overrides: list[str], excluded: Any = ()) -> dict[str, str]:
     return parsed
 
 
+def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: repr(value)}
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def config_keys(cfg: DictConfig) -> tuple[tuple, tuple]:
+    """(exact, match): the configuration less the keys that do not change a run and the residual
+    strategy's own, as hashable tuples; `match` also leaves out `verdict.IGNORED_FOR_BASELINE`."""
+    flat = {k: v for k, v in _flatten(OmegaConf.to_container(cfg, resolve=False)).items()
+            if not _under(k, NOT_COMPARED + STRATEGY_KEYS)}
+    exact = tuple(sorted(flat.items()))
+    return exact, tuple(item for item in exact if not _under(item[0], verdict.IGNORED_FOR_BASELINE))
+
+
 def _job_row(run_dir: Path) -> dict[str, Any]:
-    row: dict[str, Any] = {"job": run_dir.name}
+    row: dict[str, Any] = {"job": run_dir.name, "path": run_dir}
     hydra_dir = run_dir / ".hydra"
     if (hydra_dir / "config.yaml").is_file():
         cfg = OmegaConf.load(hydra_dir / "config.yaml")
@@ -78,6 +107,8 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
         row["residual"] = choices.get("residual", "?")
         row["num_blocks"] = cfg.get("num_blocks") if "num_blocks" in cfg.get("residual", {}) else "-"
         row["seed"] = cfg.get("seed")
+        row["is_baseline"] = row["residual"] == "standard"
+        row["exact"], row["match"] = config_keys(cfg)
     metrics = read_json(run_dir / "metrics.json")
     row["status"] = metrics.get("status") or "unfinished"
     for key in ("val/loss", "val/bpb", "val/accuracy"):
@@ -98,6 +129,21 @@ def job_labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:
     return {n: ",".join(f"{k}={kv[k]}" for k in varying if k in kv) or n for n, kv in overrides.items()}
 
 
+def config_labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Job name -> its configuration's label: the overrides that differ between the jobs, less the
+    seed, short (`block N=4 shape=deep`; `residual=` and `num_blocks=` read as strategy and N)."""
+    keys = sorted({k for kv in overrides.values() for k in kv} - {"seed"})
+    varying = [k for k in keys if len({kv.get(k) for kv in overrides.values()}) > 1]
+    if "residual" in varying:  # the strategy first
+        varying.remove("residual")
+        varying.insert(0, "residual")
+
+    def short(key: str, value: str) -> str:
+        return value if key == "residual" else f"N={value}" if key == "num_blocks" else f"{key}={value}"
+
+    return {n: " ".join(short(k, kv[k]) for k in varying if k in kv) or "all jobs" for n, kv in overrides.items()}
+
+
 def short_names(names: list[str]) -> dict[str, str]:
     """Job folder name -> only the overrides that differ between the jobs of the sweep (parsed from
     the names; `collect_rows` reads each job's `.hydra/overrides.yaml` instead)."""
@@ -114,25 +160,28 @@ def format_counts(counts: Counter) -> str:
     return ", ".join([f"{sum(counts.values())} jobs", *(f"{counts[k]} {k}" for k in kinds)])
 
 
-def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
-    """A row per run folder, plus one per job that was skipped as a duplicate of another."""
-    sweep_dir = Path(sweep_dir)
-    notes = read_json(sweep_dir / "jobs.json")
+def collect_rows(sweep_dir: Path, *more_dirs: Path) -> list[dict[str, Any]]:
+    """A row per run folder, plus one per job that was skipped as a duplicate of another; with
+    `more_dirs`, the runs of all those folders together (labelled as one sweep)."""
     rows, overrides = {}, {}
-    for run_dir in find_job_dirs(sweep_dir):
-        name = run_dir.relative_to(sweep_dir).as_posix()
-        rows[name] = _job_row(run_dir)
-        found = job_overrides(run_dir)
-        overrides[name] = found if found is not None else parse_overrides(_NEXT_OVERRIDE.split(run_dir.name))
-    for name, note in sorted(notes.items()):
-        if note.get("status") == "duplicate" and note.get("same_as") in rows:
-            rows[name] = {**rows[note["same_as"]], "job": name, "status": "duplicate", "same_as": note["same_as"]}
-            listed = note.get("overrides")
-            overrides[name] = (parse_overrides(listed, DEFAULT_EXCLUDED) if listed is not None
-                               else parse_overrides(_NEXT_OVERRIDE.split(Path(name).name)))
-    labels = job_labels(overrides)
+    for folder in (Path(sweep_dir), *map(Path, more_dirs)):
+        prefix = f"{folder.name}/" if more_dirs else ""
+        notes = read_json(folder / "jobs.json")
+        for run_dir in find_job_dirs(folder):
+            name = prefix + run_dir.relative_to(folder).as_posix()
+            rows[name] = _job_row(run_dir)
+            found = job_overrides(run_dir)
+            overrides[name] = found if found is not None else parse_overrides(_NEXT_OVERRIDE.split(run_dir.name))
+        for name, note in sorted(notes.items()):
+            if note.get("status") == "duplicate" and prefix + str(note.get("same_as")) in rows:
+                same_as = prefix + note["same_as"]
+                rows[prefix + name] = {**rows[same_as], "job": name, "status": "duplicate", "same_as": same_as}
+                listed = note.get("overrides")
+                overrides[prefix + name] = (parse_overrides(listed, DEFAULT_EXCLUDED) if listed is not None
+                                            else parse_overrides(_NEXT_OVERRIDE.split(Path(name).name)))
+    labels, configs = job_labels(overrides), config_labels(overrides)
     for name, row in rows.items():
-        row["job"] = labels[name]
+        row["job"], row["config"] = labels[name], configs[name]
         if row.get("same_as"):
             row["status"] = f"duplicate of {labels[row.pop('same_as')]}"
     order = sorted(rows.values(), key=lambda r: (str(r.get("residual")), str(r.get("num_blocks")),
@@ -167,9 +216,37 @@ def terminal_table(rows: list[dict[str, Any]]) -> str:
                      for line in [header, *body])
 
 
-def write_sweep_summary(sweep_dir: str | Path) -> list[dict[str, Any]]:
+MD_COLUMNS = [c for c in COLUMNS if c not in verdict.COLUMNS or c == "diff"]
+
+
+def attach_verdicts(rows: list[dict[str, Any]], metric: str) -> list[verdict.Comparison]:
+    """The comparisons of the sweep; each row gets its configuration's verdict columns and
+    `diff`, its own difference from the baseline run of the same seed."""
+    found = verdict.comparisons(rows, metric)
+    by_config = {c.label: c for c in found}
+    for row in rows:
+        comparison = by_config.get(row.get("config"))
+        if comparison is not None:
+            row.update(comparison.columns())
+            row["diff"] = comparison.diffs.get(row.get("seed"))
+    return found
+
+
+def verdict_lines(found: list[verdict.Comparison], rows: list[dict[str, Any]]) -> list[str]:
+    if found:
+        return [c.sentence() for c in found]
+    if not any(r.get("is_baseline") for r in rows):
+        return ["No verdicts: no residual=standard runs in this sweep to compare with."]
+    return ["No verdicts: every configuration of this sweep is a standard-residual baseline."]
+
+
+def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | None = None) -> list[dict[str, Any]]:
+    """summary.csv, summary.md and summary.png in `sweep_dir`, from its runs (and those of
+    `more_dirs`). Returns the rows, with their verdict columns."""
     sweep_dir = Path(sweep_dir)
-    rows = collect_rows(sweep_dir)
+    rows = collect_rows(sweep_dir, *more_dirs)
+    metric = primary_metric(rows)
+    found = attach_verdicts(rows, metric)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS, extrasaction="ignore")
     writer.writeheader()
@@ -177,48 +254,26 @@ def write_sweep_summary(sweep_dir: str | Path) -> list[dict[str, Any]]:
     atomic_write(sweep_dir / "summary.csv", lambda f: f.write(buffer.getvalue().encode()))
 
     total, _, counts = format_counts(status_counts([r["status"] for r in rows])).partition(", ")
-    lines = [f"# Sweep {sweep_dir.name}", "",
-             f"{total}{': ' + counts if counts else ''}. The job column lists the overrides that differ.", ""]
-    lines.append("| " + " | ".join(COLUMNS) + " |")
-    lines.append("|" + "---|" * len(COLUMNS))
+    lines = [f"# Sweep {title or sweep_dir.name}", "", "## Verdicts", "",
+             f"Each configuration against the standard-residual runs of the same configuration, paired by "
+             f"seed: the mean difference of {metric} with its 95% interval (Student t), the seeds that favour "
+             "each side, and the cost as ratios to the baseline.", ""]
+    lines += [f"- {line}" for line in verdict_lines(found, rows)]
+    lines += ["", "## Jobs", "",
+              f"{total}{': ' + counts if counts else ''}. The job column lists the overrides that differ; "
+              f"diff is the run's {metric} minus its baseline's at the same seed.", ""]
+    lines.append("| " + " | ".join(MD_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(MD_COLUMNS))
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/") for k in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/") for k in MD_COLUMNS) + " |")
     atomic_write(sweep_dir / "summary.md", lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    _plot(sweep_dir, rows)
+    from attnres.training import summary_figure
+
+    fig = summary_figure.summary_figure(found, rows, metric, title or sweep_dir.name)
+    buffer_png = io.BytesIO()
+    fig.savefig(buffer_png, format="png")
+    atomic_write(sweep_dir / "summary.png", lambda f: f.write(buffer_png.getvalue()))
     return rows
-
-
-def _plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metric = primary_metric(rows)
-    groups: dict[str, list[float]] = {}
-    for r in rows:
-        if r.get(metric) is not None and not str(r["status"]).startswith("duplicate"):
-            label = r.get("residual", "?") + ("" if r.get("num_blocks") in ("-", None) else f" N={r['num_blocks']}")
-            groups.setdefault(label, []).append(float(r[metric]))
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(groups) + 2), 3.5), dpi=120)
-    labels = sorted(groups)
-    means = [statistics.fmean(groups[k]) for k in labels]
-    spreads = [statistics.stdev(groups[k]) if len(groups[k]) > 1 else 0.0 for k in labels]
-    ax.bar(labels, means, yerr=spreads, capsize=4, color="#4C72B0")
-    for i, k in enumerate(labels):
-        ax.scatter([i] * len(groups[k]), groups[k], color="black", s=10, zorder=3)
-    if means:
-        low, high = min(min(v) for v in groups.values()), max(max(v) for v in groups.values())
-        pad = max(1e-3, 0.15 * (high - low))
-        ax.set_ylim(low - pad, high + pad)
-    ax.set_ylabel(f"final {metric}")
-    ax.set_title(f"{sweep_dir.name}: mean ± std over seeds (dots: runs)", fontsize=9)
-    ax.tick_params(axis="x", labelrotation=20)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    atomic_write(sweep_dir / "summary.png", lambda f: f.write(buffer.getvalue()))
 
 
 class SweepSummary(Callback):
@@ -247,4 +302,6 @@ class SweepSummary(Callback):
                 raise sweep.no_jobs_error(config)
         rows = write_sweep_summary(sweep_dir)
         print(terminal_table(rows), flush=True)
+        for line in verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows):
+            print(f"verdict: {line}", flush=True)
         print(f"sweep: {format_counts(counts)} -> {sweep_dir / 'summary.md'}", flush=True)

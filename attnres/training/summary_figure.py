@@ -1,0 +1,122 @@
+"""summary.png of a sweep: what each configuration changes, and how the runs got there.
+
+Left: each configuration's difference from its paired standard-residual baseline (the mean,
+its 95% interval, a dot per seed), zero marked, so a gap inside the seeds' spread reads as
+one. Right: the validation curves of the primary metric over steps, mean and min-max band
+over seeds, read from each run's TensorBoard events (the `Val/...` tags the runner logs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from attnres.training.figures import new_figure, strategy_colours
+
+VERDICT_COLOURS = {"better": "#2a7d2a", "worse": "#b22222"}
+UNCLEAR = "#555555"
+
+
+def validation_curve(run_dir: Path, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, values) of `metric` (`val/bpb` -> tag `Val/bpb`) from a run's events, or None."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = Path(run_dir)
+    where = run_dir if any(run_dir.glob("events.out.tfevents.*")) else run_dir / "tb"
+    if not where.is_dir():
+        return None
+    tag = "Val/" + metric.split("/", 1)[-1]
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # not "No path found after <file>" per run
+    acc = EventAccumulator(str(where), size_guidance={"scalars": 0, "images": 1, "tensors": 1, "histograms": 1})
+    try:
+        acc.Reload()
+        events = acc.Scalars(tag)
+    except (KeyError, OSError, ValueError):
+        return None
+    last = {e.step: e.value for e in events}  # a resumed run may log a step twice: keep the last
+    steps = np.array(sorted(last), dtype=np.int64)
+    return steps, np.array([last[s] for s in steps], dtype=np.float64)
+
+
+def config_curves(rows: Sequence[Mapping[str, Any]], metric: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Configuration -> (steps, (seeds, steps) values) on the steps every finished run logged."""
+    per_config: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for row in rows:
+        if row.get("status") != "finished" or not row.get("path"):
+            continue
+        curve = validation_curve(row["path"], metric)
+        if curve is not None and len(curve[0]):
+            per_config.setdefault(row["config"], []).append(curve)
+    curves = {}
+    for config, runs in per_config.items():
+        common = sorted(set.intersection(*(set(steps.tolist()) for steps, _ in runs)))
+        if common:
+            values = np.stack([vals[np.searchsorted(steps, common)] for steps, vals in runs])
+            curves[config] = (np.array(common), values)
+    return curves
+
+
+def summary_figure(comparisons: Sequence[Any], rows: Sequence[Mapping[str, Any]], metric: str, title: str):
+    shown = [c for c in comparisons if c.mean is not None]
+    curves = config_curves(rows, metric)
+    height = max(3.6, 0.42 * len(shown) + 1.8)
+    fig = new_figure(12.0, height)
+    left, right = fig.add_gridspec(1, 2, width_ratios=[1.05, 1.0], wspace=0.45).subplots()
+    _differences(left, shown, metric)
+    _curves(right, curves, metric)
+    fig.suptitle(f"{title}: {metric}", fontsize=10)
+    fig.subplots_adjust(left=0.2, right=0.98, top=0.88, bottom=0.14)
+    return fig
+
+
+def _differences(ax: Any, shown: Sequence[Any], metric: str) -> None:
+    ax.axvline(0.0, color="black", linewidth=0.9)
+    if not shown:
+        ax.text(0.5, 0.5, "no comparison: the sweep needs\nresidual=standard runs of the same configuration",
+                ha="center", va="center", transform=ax.transAxes, fontsize=9)
+        ax.set_yticks([])
+        return
+    rng = np.random.default_rng(0)  # the same jitter on every redraw
+    for y, c in enumerate(shown):
+        colour = VERDICT_COLOURS.get(c.verdict, UNCLEAR)
+        if c.ci is not None:
+            ax.errorbar([c.mean], [y], xerr=[[c.mean - c.ci[0]], [c.ci[1] - c.mean]], fmt="o", color=colour,
+                        capsize=4, markersize=6, zorder=3)
+        else:
+            ax.plot([c.mean], [y], "o", color=colour, markersize=6, zorder=3)
+        if c.diffs:
+            d = np.array(list(c.diffs.values()))
+            ax.scatter(d, y + rng.uniform(-0.12, 0.12, len(d)), s=14, facecolors="none", edgecolors=colour, zorder=4)
+        tag = {"paired t": f"n={c.n}", "one pair": "1 seed", "Welch (unpaired)": f"unpaired n={c.n}"}.get(c.method, "")
+        ax.annotate(tag, (1.0, y), xycoords=("axes fraction", "data"), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=7, color=UNCLEAR, annotation_clip=False)
+    ax.set_yticks(range(len(shown)), [f"{c.label}\nvs {c.baseline}" for c in shown], fontsize=8)
+    ax.set_ylim(len(shown) - 0.5, -0.5)
+    better = "lower" if shown[0].lower_is_better else "higher"
+    ax.set_xlabel(f"{metric} difference from the paired baseline ({better} is better)", fontsize=8)
+    ax.set_title("mean, 95% t interval, o: each seed", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _curves(ax: Any, curves: Mapping[str, tuple[np.ndarray, np.ndarray]], metric: str) -> None:
+    if not curves:
+        ax.text(0.5, 0.5, f"no {metric} curves in the runs' events", ha="center", va="center",
+                transform=ax.transAxes, fontsize=9)
+        return
+    names = sorted(curves)
+    for name, colour in zip(names, strategy_colours(names), strict=True):
+        steps, values = curves[name]
+        ax.plot(steps, values.mean(axis=0), color=colour, linewidth=1.4, label=f"{name} ({len(values)})")
+        if len(values) > 1:
+            ax.fill_between(steps, values.min(axis=0), values.max(axis=0), color=colour, alpha=0.18, linewidth=0)
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel(metric, fontsize=8)
+    ax.set_title("validation: mean over seeds, band min-max (n seeds)", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, frameon=False)

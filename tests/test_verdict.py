@@ -1,0 +1,169 @@
+"""Paired verdicts (DESIGN.md section 6) against hand-computed values, and on a real sweep."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from attnres.training import verdict
+from attnres.training.summary import config_keys
+
+T_975_DF2 = 4.302652729749464  # Student t 97.5% quantile, 2 degrees of freedom (tables)
+T_975_DF1 = 12.706204736174705  # ... 1 degree of freedom
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(seed, value, status="finished", tps=1000.0, mem=None, metric="val/bpb"):
+    return {"seed": seed, "status": status, metric: value, "tokens_per_sec": tps, "peak_memory_gib": mem}
+
+
+def test_paired_t_interval_matches_the_hand_computed_one():
+    base = [run(0, 2.00, tps=1000.0, mem=1.0), run(1, 2.10, tps=1000.0, mem=1.0), run(2, 2.05, tps=1000.0, mem=1.0)]
+    cand = [run(0, 1.98, tps=900.0, mem=1.2), run(1, 2.09, tps=950.0, mem=1.2), run(2, 2.02, tps=920.0, mem=1.2)]
+    c = verdict.compare(cand, base, "val/bpb", "block N=4", "standard")
+    # d = -0.02, -0.01, -0.03: mean -0.02, sample sd 0.01, se 0.01 / sqrt(3)
+    half = T_975_DF2 * 0.01 / math.sqrt(3)
+    assert c.method == "paired t" and c.n == 3
+    assert c.mean == pytest.approx(-0.02, abs=1e-12)
+    assert c.ci == pytest.approx((-0.02 - half, -0.02 + half), abs=1e-9)
+    assert (c.wins, c.losses) == (3, 0)
+    assert c.verdict == "no clear difference"  # the interval [-0.045, 0.005] spans 0
+    assert c.tokens_per_sec_ratio == pytest.approx((0.9 + 0.95 + 0.92) / 3)
+    assert c.peak_memory_ratio == pytest.approx(1.2)
+    line = c.sentence()
+    assert line.startswith("block N=4 vs standard: no clear difference, -0.0200 val/bpb [-0.0448, +0.0048]"), line
+    assert "3/3 seeds favour block N=4" in line and "lower is better" in line and "0.92x tokens/s" in line
+
+
+def test_a_clear_difference_is_better_or_worse_by_the_metric_direction():
+    base = [run(s, 2.0 + 0.1 * s) for s in range(3)]
+    cand = [run(s, 2.0 + 0.1 * s - 0.05 - 0.001 * s) for s in range(3)]
+    assert verdict.compare(cand, base, "val/bpb", "a", "standard").verdict == "better"
+    acc = [run(s, r["val/bpb"], metric="val/accuracy") for s, r in enumerate(base)]
+    acc_cand = [run(s, r["val/bpb"], metric="val/accuracy") for s, r in enumerate(cand)]
+    c = verdict.compare(acc_cand, acc, "val/accuracy", "a", "standard")
+    assert c.verdict == "worse" and (c.wins, c.losses) == (0, 3) and "higher is better" in c.sentence()
+
+
+def test_one_seed_gives_no_interval():
+    c = verdict.compare([run(0, 1.9)], [run(0, 2.0)], "val/bpb", "full", "standard")
+    assert c.method == "one pair" and c.ci is None and c.mean == pytest.approx(-0.1)
+    assert c.verdict == "no interval"
+    assert c.sentence().startswith("full vs standard: -0.1000 val/bpb on 1 seed (seed 0; lower is better): no interval")
+
+
+def test_no_baseline_is_said():
+    c = verdict.compare([run(0, 1.9), run(1, 2.0)], [], "val/bpb", "full", None)
+    assert c.method == "no baseline" and "no baseline in this sweep" in c.sentence()
+
+
+def test_failed_jobs_are_left_out_and_counted():
+    base = [run(0, 2.0), run(1, 2.1), run(2, 2.2)]
+    cand = [run(0, 1.9), run(1, 2.0), run(2, None, status="failed")]
+    c = verdict.compare(cand, base, "val/bpb", "block", "standard")
+    assert c.method == "paired t" and c.n == 2 and c.mean == pytest.approx(-0.1)
+    half = T_975_DF1 * 0.0 / math.sqrt(2)  # identical differences: the interval is the point
+    assert c.ci == pytest.approx((-0.1 - half, -0.1 + half))
+    assert "1 failed job left out" in c.sentence() and "seed 2 on one side only" in c.sentence()
+
+
+def test_unequal_seed_sets_pair_on_the_common_seeds():
+    base = [run(0, 2.00), run(1, 2.10)]
+    cand = [run(0, 1.95), run(1, 2.07), run(5, 1.0)]
+    c = verdict.compare(cand, base, "val/bpb", "block", "standard")
+    diffs = [-0.05, -0.03]
+    sd = math.sqrt(sum((d - (-0.04)) ** 2 for d in diffs))  # n - 1 = 1
+    half = T_975_DF1 * sd / math.sqrt(2)
+    assert c.n == 2 and c.diffs == pytest.approx({0: -0.05, 1: -0.03})
+    assert c.ci == pytest.approx((-0.04 - half, -0.04 + half), abs=1e-9)
+    assert "seed 5 on one side only, left out" in c.sentence()
+
+
+def test_no_common_seeds_fall_back_to_welch_unpaired():
+    # equal variances and sizes: Welch's degrees of freedom are 2 (n1 + n2 - 2), its se sqrt(s1^2/2 + s2^2/2)
+    cand, base = [run(0, 1.0), run(1, 1.2)], [run(2, 1.3), run(3, 1.5)]
+    c = verdict.compare(cand, base, "val/bpb", "block", "standard")
+    half = T_975_DF2 * math.sqrt(0.02 / 2 + 0.02 / 2)
+    assert c.method == "Welch (unpaired)" and c.mean == pytest.approx(-0.3)
+    assert c.ci == pytest.approx((-0.3 - half, -0.3 + half), abs=1e-9)
+    assert "Welch, unpaired" in c.sentence() and "no common seeds" in c.sentence()
+
+
+def test_one_run_each_on_different_seeds_compares_nothing():
+    c = verdict.compare([run(0, 1.0)], [run(1, 1.1)], "val/bpb", "block", "standard")
+    assert c.mean is None and "no seed in common" in c.sentence()
+
+
+def _cfg(**over):
+    base = {"seed": 0, "num_blocks": 4, "residual": {"_target_": "attnres.StandardResidual"},
+            "model": {"n_layer": 4}, "optim": {"query_lr_scale": 0.1, "lr": 3e-3}, "trainer": {"max_steps": 10},
+            "callbacks": {"x": 1}}
+    for key, value in over.items():
+        node = base
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return OmegaConf.create(base)
+
+
+def test_baselines_match_on_everything_but_the_strategy_and_ignored_keys():
+    standard = config_keys(_cfg())
+    block = config_keys(_cfg(**{"residual._target_": "attnres.BlockAttentionResidual", "num_blocks": 2, "seed": 3,
+                                "callbacks.x": 2}))
+    assert block == standard  # strategy keys, seed and callbacks do not count
+    other_lr = config_keys(_cfg(**{"optim.query_lr_scale": 0.3}))
+    assert other_lr[0] != standard[0] and other_lr[1] == standard[1]  # matches, not exactly
+    assert config_keys(_cfg(**{"model.n_layer": 8}))[1] != standard[1]
+    assert config_keys(_cfg(**{"trainer.max_steps": 20}))[1] != standard[1]
+
+
+def test_comparisons_pick_the_exact_baseline_first():
+    def rows(config, baseline, exact, match, values):
+        return [{**run(s, v), "config": config, "is_baseline": baseline, "exact": exact, "match": match}
+                for s, v in enumerate(values)]
+
+    table = (rows("standard q=0.03", True, "e1", "m", [2.0, 2.1]) + rows("standard q=0.3", True, "e2", "m", [3.0, 3.1])
+             + rows("block q=0.3", False, "e2", "m", [2.9, 3.0]) + rows("block q=1", False, "e3", "m", [1.9, 2.0])
+             + rows("block wide", False, "e4", "other", [1.0, 1.0]))
+    found = {c.label: c for c in verdict.comparisons(table, "val/bpb")}
+    assert found["block q=0.3"].baseline == "standard q=0.3" and found["block q=0.3"].mean == pytest.approx(-0.1)
+    assert found["block q=1"].baseline == "standard q=0.03"  # no exact one: the first that matches
+    assert found["block wide"].method == "no baseline"
+
+
+@pytest.mark.slow
+def test_a_real_sweep_ends_with_verdicts_a_csv_and_a_plot(tmp_path):
+    tiny = ["data=stdlib", "data.max_files=40", "data.block_size=32", "model.n_layer=2", "model.n_embd=32",
+            "model.n_head=2", "trainer.max_steps=6",
+            "trainer.val_check_interval=3", "trainer.accelerator=cpu", "data.batch_size=8", "data.val_batches=2",
+            f"data.cache_dir={tmp_path / 'cache'}", "callbacks=none", "hydra.launcher.cpu_jobs=2"]
+    result = subprocess.run([sys.executable, "-m", "attnres", "-m", *tiny, "residual=standard,block", "num_blocks=2",
+                             "seed=0,1", "hydra.sweep.dir=sweep"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=400, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdicts = [line for line in result.stdout.splitlines() if line.startswith("verdict: ")]
+    assert len(verdicts) == 1 and verdicts[0].startswith("verdict: block vs standard: "), result.stdout
+    assert "paired t, 2 seeds" in verdicts[0] and "x tokens/s" in verdicts[0]
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "## Verdicts" in summary and verdicts[0].removeprefix("verdict: ") in summary
+    with open(tmp_path / "sweep" / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    blocks = [r for r in table if r["residual"] == "block"]
+    assert len(table) == 4 and len(blocks) == 2
+    for r in blocks:  # each run's own difference, and its configuration's interval
+        base = next(b for b in table if b["residual"] == "standard" and b["seed"] == r["seed"])
+        assert float(r["diff"]) == pytest.approx(float(r["val/bpb"]) - float(base["val/bpb"]), abs=1e-3)
+        assert r["method"] == "paired t" and float(r["ci_low"]) <= float(r["mean_diff"]) <= float(r["ci_high"])
+    png = tmp_path / "sweep" / "summary.png"
+    assert png.stat().st_size > 20_000  # two panels with curves, not an empty canvas
+    from matplotlib.image import imread
+
+    pixels = imread(png)
+    assert pixels.shape[1] > pixels.shape[0] and pixels[..., :3].std() > 0.05
