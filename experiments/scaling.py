@@ -73,16 +73,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples < 100:
         print("scaling: --samples must be at least 100 for a 95% interval", file=sys.stderr)
         return 2
-    records = [r for r in (run_record(row, args.metric) for row in collect_rows(args.sweep_dir)) if r]
-    cells = cells_from_runs(records, args.metric)
+    try:
+        result = analyse(args.sweep_dir, args.metric, args.samples)
+    except NotEnoughSizesError as err:
+        print(f"scaling: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(result["summary"]))
+    fit = result["baseline_fit"]
+    print(f"-> {args.sweep_dir / 'scaling.md'}, scaling.csv, scaling.png (fit of {BASELINE}: a={fit.a:.4g}, "
+          f"b={fit.b:.4g}, c={fit.c:.4g})")
+    return 0
+
+
+class NotEnoughSizesError(ValueError):
+    pass
+
+
+def analyse(sweep_dir: Path, metric: str = "val/loss", samples: int = 2000) -> dict[str, Any]:
+    """Fit, multipliers and intervals of a sweep; writes scaling.md, .csv and .png into it.
+    Returns summary (lines), baseline_fit, fits, geomean {strategy: x}, intervals."""
+    records = [r for r in (run_record(row, metric) for row in collect_rows(sweep_dir)) if r]
+    cells = cells_from_runs(records, metric)
     baseline = [c for c in cells if c.strategy == BASELINE]
     others = [c for c in cells if c.strategy != BASELINE]
     sizes = sorted({c.size for c in baseline})
     if len(sizes) < 3:
-        print(f"scaling: {args.sweep_dir} has finished residual=standard runs at {len(sizes)} model size(s); "
-              "the fit a*C^-b + c needs at least 3 (run experiment=scaling_ladder, or sweep model.n_embd / "
-              "model.n_layer with residual=standard among the strategies)", file=sys.stderr)
-        return 2
+        raise NotEnoughSizesError(f"{sweep_dir} has finished residual=standard runs at {len(sizes)} model size(s); "
+                             "the fit a*C^-b + c needs at least 3 (run experiment=scaling_ladder, or sweep "
+                             "model.n_embd / model.n_layer with residual=standard among the strategies)")
 
     fits: dict[str, PowerLaw | None] = {}
     for strategy in sorted({c.strategy for c in cells}):
@@ -92,31 +110,31 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             fits[strategy] = None
     base_fit, found = multipliers(baseline, others)
-    intervals = bootstrap_multipliers(baseline, others, samples=args.samples)
+    intervals = bootstrap_multipliers(baseline, others, samples=samples)
 
-    lines = [f"# Compute equivalence: {args.sweep_dir.name}", "",
+    lines = [f"# Compute equivalence: {sweep_dir.name}", "",
              f"C = 6 N tokens + 6 n_layer T D tokens (FLOPs; N non-embedding parameters). Fit per strategy: "
-             f"{args.metric} = a (C / C0)^-b + c. Multiplier: the compute at which the {BASELINE} fit reaches an "
-             f"AttnRes point's {args.metric}, over that point's compute (> 1: AttnRes matches a baseline trained "
+             f"{metric} = a (C / C0)^-b + c. Multiplier: the compute at which the {BASELINE} fit reaches an "
+             f"AttnRes point's {metric}, over that point's compute (> 1: AttnRes matches a baseline trained "
              "with more compute). Intervals: 95% bootstrap over seeds.", ""]
-    summary = []
+    summary, geomean = [], {}
     for strategy in sorted({c.strategy for c in others}):
         values = [found[(c.strategy, c.size)] for c in others if c.strategy == strategy]
         if all(v is not None for v in values):
-            mean = geometric_mean(values)
+            mean = geomean[strategy] = geometric_mean(values)
             summary.append(f"{strategy} vs {BASELINE}: {mean:.2f}x compute (geometric mean over {len(values)} sizes, "
                            f"95% bootstrap {_fmt_interval(intervals.get(strategy))})")
         else:
             summary.append(f"{strategy} vs {BASELINE}: at some sizes its loss is below the baseline fit's "
                            "irreducible term: no multiplier there (see the table)")
     lines += [f"- {s}" for s in summary]
-    lines += ["", f"| strategy | size | N | seeds | compute (FLOPs) | {args.metric} | multiplier | 95% interval |",
+    lines += ["", f"| strategy | size | N | seeds | compute (FLOPs) | {metric} | multiplier | 95% interval |",
               "|---|---|---|---|---|---|---|---|"]
     table = []
     for c in cells:
         m = found.get((c.strategy, c.size))
         row = {"strategy": c.strategy, "size": c.size, "parameters": c.parameters, "seeds": len(c.loss),
-               "compute": c.mean_compute, args.metric: c.mean_loss, "multiplier": m,
+               "compute": c.mean_compute, metric: c.mean_loss, "multiplier": m,
                "ci": intervals.get((c.strategy, c.size)) if c.strategy != BASELINE else None}
         table.append(row)
         mult = "" if c.strategy == BASELINE else ("below the fit's floor" if m is None else f"{m:.2f}x")
@@ -127,21 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     for strategy, fit in fits.items():
         lines.append(f"| {strategy} | " + (" | ".join(f"{v:.4g}" for v in (fit.a, fit.b, fit.c, fit.c0))
                                            if fit else "fewer than 3 sizes | | | ") + " |")
-    out = args.sweep_dir
+    out = sweep_dir
     atomic_write(out / "scaling.md", lambda f: f.write(("\n".join(lines) + "\n").encode()))
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["strategy", "size", "parameters", "seeds", "compute", args.metric,
+    writer = csv.DictWriter(buffer, fieldnames=["strategy", "size", "parameters", "seeds", "compute", metric,
                                                 "multiplier", "ci_low", "ci_high"])
     writer.writeheader()
     for row in table:
         ci = row.pop("ci")
         writer.writerow({**row, "ci_low": ci[0] if ci else "", "ci_high": ci[1] if ci else ""})
     atomic_write(out / "scaling.csv", lambda f: f.write(buffer.getvalue().encode()))
-    _plot(out / "scaling.png", records, cells, fits, args.metric, " / ".join(summary))
-    print("\n".join(summary))
-    print(f"-> {out / 'scaling.md'}, scaling.csv, scaling.png (fit of {BASELINE}: a={base_fit.a:.4g}, "
-          f"b={base_fit.b:.4g}, c={base_fit.c:.4g})")
-    return 0
+    _plot(out / "scaling.png", records, cells, fits, metric, " / ".join(summary))
+    return {"summary": summary, "baseline_fit": base_fit, "fits": fits, "geomean": geomean, "intervals": intervals}
 
 
 def _plot(path: Path, records, cells, fits, metric: str, title: str) -> None:

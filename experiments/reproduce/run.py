@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     names = [p.name for p in PARTS]
-    parser.add_argument("--parts", default=",".join(names), help=f"comma-separated, of {', '.join(names)} (default: all)")
+    parser.add_argument("--parts", default=",".join(names),
+                        help=f"comma-separated, of {', '.join(names)} (default: all)")
     parser.add_argument("--gpu", action="store_true", help="the GPU sizes (scale=gpu trainer=gpu)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="parallel jobs without a GPU (default 1: timings of one job at a time; 0: the launcher's)")
