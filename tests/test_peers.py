@@ -413,6 +413,7 @@ def test_parameter_counts():
     (DenseFormerResidual, {}, 5, "must be even"),
     (HyperConnectionResidual, {"expansion_rate": 0}, 4, "expansion_rate .* must be an int >= 1"),
     (HyperConnectionResidual, {"expansion_rate": True}, 4, "expansion_rate .* must be an int >= 1"),
+    (HyperConnectionResidual, {"dynamic": "no"}, 4, "dynamic must be true or false"),
     (ManifoldHyperConnectionResidual, {"expansion_rate": 1}, 4, "expansion_rate .* must be an int >= 2"),
     (ManifoldHyperConnectionResidual, {"sinkhorn_iterations": -1}, 4, "sinkhorn_iterations must be an int >= 1"),
     (ManifoldHyperConnectionResidual, {"sinkhorn_iterations": 0}, 4, "sinkhorn_iterations must be an int >= 1"),

@@ -72,7 +72,9 @@ class HyperConnectionResidual(ResidualStrategy):
     ) -> None:
         super().__init__(d_model, num_layers, eps)
         check_expansion_rate(expansion_rate)
-        self.expansion_rate, self.dynamic = expansion_rate, bool(dynamic)
+        if not isinstance(dynamic, bool):  # `residual.dynamic=no` arrives as the string "no", which is truthy
+            raise ValueError(f"dynamic must be true or false (false: static hyper-connections only), got {dynamic!r}")
+        self.expansion_rate, self.dynamic = expansion_rate, dynamic
         self._init_hc_parameters()
 
     def _init_hc_parameters(self) -> None:
