@@ -291,7 +291,7 @@ def write_report(out: Path, gpu: bool = False) -> Path:
         "| part | what | wall time |", "|---|---|---|",
         f"| shapes | standard vs Block vs Full at a wide (4 x 96) and a deep (8 x 64) shape, 400 steps | "
         f"{_wall(state, 'shapes')} |",
-        f"| knobs | Block at query_lr_scale 0.03, 0.3, 1 and num_blocks 1, 2 (wide), 400 steps | "
+        f"| knobs | Block at query_lr_scale 0.03, 0.3, 1 and num_blocks 2 (wide), 400 steps | "
         f"{_wall(state, 'knobs')} |",
         f"| ladder | four sizes x standard, Block x 3 seeds | {_wall(state, 'ladder')} |", "",
         "## 1. Loss ordering at two shapes", "", *shape_text, "",

@@ -47,10 +47,10 @@ PARTS = (
     Part("shapes", "the loss ordering of standard, Block and Full AttnRes at a wide and a deep shape; "
                    "magnitudes, gradient norms and depth attention across depth",
          (Sweep("shapes", (*SHAPES, "shape=wide,deep", "residual=standard,block,full", SEEDS)),)),
-    Part("knobs", "how the answer depends on optim.query_lr_scale and num_blocks (wide shape; "
-                  "its standard runs and Block N=4 at scale 0.1 come from part shapes)",
+    Part("knobs", "how the answer depends on optim.query_lr_scale and num_blocks (wide shape, L = 8; its "
+                  "standard runs, Block N=4 at scale 0.1 and Full, which is Block N=8, come from part shapes)",
          (Sweep("knobs_query_lr", (*SHAPES, "shape=wide", "residual=block", "optim.query_lr_scale=0.03,0.3,1", SEEDS)),
-          Sweep("knobs_num_blocks", (*SHAPES, "shape=wide", "residual=block", "num_blocks=1,2", SEEDS)))),
+          Sweep("knobs_num_blocks", (*SHAPES, "shape=wide", "residual=block", "num_blocks=2", SEEDS)))),
     Part("ladder", "the compute-equivalence multiplier of Block AttnRes over a four-rung size ladder",
          (Sweep("ladder", ("experiment=scaling_ladder",)),)),
 )
