@@ -182,6 +182,8 @@ def collect_rows(sweep_dir: Path, *more_dirs: Path) -> list[dict[str, Any]]:
     labels, configs = job_labels(overrides), config_labels(overrides)
     for name, row in rows.items():
         row["job"], row["config"] = labels[name], configs[name]
+        if row.get("num_blocks") == "-":  # a strategy that does not read num_blocks: N is not part of it
+            row["config"] = " ".join(t for t in row["config"].split(" ") if not t.startswith("N=")) or row["residual"]
         if row.get("same_as"):
             row["status"] = f"duplicate of {labels[row.pop('same_as')]}"
     order = sorted(rows.values(), key=lambda r: (str(r.get("residual")), str(r.get("num_blocks")),
