@@ -167,3 +167,32 @@ def test_a_real_sweep_ends_with_verdicts_a_csv_and_a_plot(tmp_path):
 
     pixels = imread(png)
     assert pixels.shape[1] > pixels.shape[0] and pixels[..., :3].std() > 0.05
+
+
+def _job(folder: Path, residual: str, seed: int, bpb: float, extra: tuple[str, ...] = (), num_blocks: int = 4):
+    (folder / ".hydra").mkdir(parents=True)
+    uses_n = residual == "block"
+    cfg = {"seed": seed, "num_blocks": num_blocks, "model": {"n_layer": 2},
+           "residual": {"_target_": f"attnres.{residual}", **({"num_blocks": num_blocks} if uses_n else {})}}
+    OmegaConf.save(OmegaConf.create(cfg), folder / ".hydra" / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": {"runtime": {"choices": {"residual": residual}}}}),
+                   folder / ".hydra" / "hydra.yaml")
+    overrides = [f"residual={residual}", f"seed={seed}", f"num_blocks={num_blocks}", *extra]
+    (folder / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (folder / "metrics.json").write_text(
+        f'{{"status": "finished", "metrics": {{"val/bpb": {bpb}}}, "tokens_per_sec": 100.0}}')
+
+
+def test_summarize_pairs_runs_of_several_sweeps(tmp_path):
+    for seed, bpb in enumerate((2.0, 2.1, 2.2)):
+        _job(tmp_path / "base" / f"s{seed}", "standard", seed, bpb, num_blocks=2)
+        _job(tmp_path / "variants" / f"b{seed}", "block", seed, bpb - 0.05 - 0.01 * seed)
+    script = [sys.executable, str(REPO / "experiments" / "summarize.py"), "base", "variants"]
+    refused = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--out" in refused.stderr
+    result = subprocess.run([*script, "--out", "both"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("verdict: "))
+    # the standard runs do not read num_blocks, so N is no part of their label
+    assert line.startswith("verdict: block N=4 vs standard: better, -0.0600 val/bpb"), line
+    assert "3/3 seeds favour block N=4" in line and (tmp_path / "both" / "summary.png").stat().st_size > 10_000
