@@ -14,6 +14,7 @@ import csv
 import io
 import os
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -271,9 +272,14 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     atomic_write(sweep_dir / "summary.md", lambda f: f.write(("\n".join(lines) + "\n").encode()))
     from attnres.training import summary_figure
 
-    fig = summary_figure.summary_figure(found, rows, metric, title or sweep_dir.name)
-    buffer_png = io.BytesIO()
-    fig.savefig(buffer_png, format="png")
+    try:  # the table and the verdicts are written; a figure that cannot be drawn must not lose them
+        fig = summary_figure.summary_figure(found, rows, metric, title or sweep_dir.name)
+        buffer_png = io.BytesIO()
+        fig.savefig(buffer_png, format="png")
+    except Exception as err:  # noqa: BLE001 - any plotting failure: say so in one line and go on
+        print(f"summary: summary.png not drawn ({type(err).__name__}: {err}); summary.md and summary.csv are "
+              f"written; redraw with python experiments/summarize.py {sweep_dir}", file=sys.stderr, flush=True)
+        return rows
     atomic_write(sweep_dir / "summary.png", lambda f: f.write(buffer_png.getvalue()))
     return rows
 
