@@ -276,7 +276,7 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
         fig = summary_figure.summary_figure(found, rows, metric, title or sweep_dir.name)
         buffer_png = io.BytesIO()
         fig.savefig(buffer_png, format="png")
-    except Exception as err:  # noqa: BLE001 - any plotting failure: say so in one line and go on
+    except Exception as err:  # any plotting failure: say so in one line and go on
         print(f"summary: summary.png not drawn ({type(err).__name__}: {err}); summary.md and summary.csv are "
               f"written; redraw with python experiments/summarize.py {sweep_dir}", file=sys.stderr, flush=True)
         return rows
