@@ -23,6 +23,7 @@ DPI = 100
 # image tag -> tag of the raw array it is drawn from (logged beside it as a tensor summary)
 FIGURE_TAGS = {"depth/heatmap": "depth/heatmap_data", "magnitude/plot": "magnitude/plot_data",
                "grad_norm/plot": "grad_norm/plot_data"}
+LEGEND_TITLE = "run (colour: strategy)"  # of compare_profiles
 ATTN_COLOUR, MLP_COLOUR = "#1f4e9c", "#b35900"
 # Heatmap cells shrink as the grid grows (side 1.5 / sqrt(n) inches, within [CELL_MIN, CELL_MAX]),
 # so the grid grows like sqrt(n): small grids get room for their numbers and large ones stay a
@@ -222,7 +223,7 @@ def compare_profiles(
     colours = dict(zip(runs, strategy_colours([strategies.get(r, r) for r in runs]), strict=True))
     longest = max((len(s) for s in xlabels), default=1)
     vertical = longest > 3
-    legend_w = min(4.5, 0.6 + 0.065 * max((len(r) for r in runs), default=1))
+    legend_w = min(4.5, 0.6 + 0.065 * max([len(LEGEND_TITLE), *(len(r) for r in runs)]))  # the title fits too
     panel_h = 2.8
     left, top, gap = 0.95, 0.75, 0.25
     bottom = 0.55 + (0.075 * longest if vertical else 0.15)
@@ -253,7 +254,7 @@ def compare_profiles(
 
     handles = [Line2D([], [], color=colours[r], linewidth=1.5) for r in runs]
     fig.legend(handles, runs, loc="upper left", fontsize=8, frameon=False,
-               bbox_to_anchor=((width - legend_w) / width, 1 - top / height), title="run (colour: strategy)",
+               bbox_to_anchor=((width - legend_w) / width, 1 - top / height), title=LEGEND_TITLE,
                title_fontsize=8, alignment="left")
     _title(fig, title)
     return fig
