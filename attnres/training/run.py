@@ -357,14 +357,19 @@ def remove_if_untouched(run_dir: Path) -> bool:
     return True
 
 
-def file_log() -> logging.Logger:
-    """A logger that writes to the run's log file only (Hydra's file handler), not the terminal."""
-    logger = logging.getLogger("attnres.file")
-    logger.propagate = False
+def _to_log_file(logger: logging.Logger) -> logging.Logger:
+    """Give `logger` the run's log file handlers (Hydra puts them on the root logger)."""
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler) and handler not in logger.handlers:
             logger.addHandler(handler)
     return logger
+
+
+def file_log() -> logging.Logger:
+    """A logger that writes to the run's log file only (Hydra's file handler), not the terminal."""
+    logger = logging.getLogger("attnres.file")
+    logger.propagate = False
+    return _to_log_file(logger)
 
 
 def log_traceback(err: BaseException) -> None:
@@ -383,10 +388,7 @@ def report(text: str) -> None:
 def share_log_file() -> None:
     """Lightning's own messages go to the run's log file too (Lightning does not propagate them
     to the root logger, where Hydra puts the file handler)."""
-    lightning = logging.getLogger("pytorch_lightning")
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler) and handler not in lightning.handlers:
-            lightning.addHandler(handler)
+    _to_log_file(logging.getLogger("pytorch_lightning"))
 
 
 def run_child_job(spec_path: Path, train: Callable[[DictConfig, Path, dict[str, Any]], dict]) -> int:
