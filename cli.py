@@ -11,7 +11,6 @@ In a source checkout this file sits beside the `attnres` package; in a wheel it 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
 import warnings
@@ -32,7 +31,6 @@ from attnres.training.faults import (
     GracefulStop,
     Interrupted,
     NonFiniteLoss,
-    RunEnded,
     RunLock,
     clean_stale_tmp,
     stop_signals,
@@ -42,8 +40,9 @@ from attnres.training.lit import LitLanguageModel
 from attnres.training.run import (
     check_checkpoint,
     config_summary,
-    describe_checkpoint,
     end_block,
+    end_interrupted,
+    end_nonfinite,
     report,
     resolve_precision,
     resume_checkpoint,
@@ -112,21 +111,11 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         except (Interrupted, SIGTERMException) as err:  # Lightning's own, if the signal beat our handler
-            sig = err.signal if isinstance(err, Interrupted) else signal.SIGTERM
-            stop.received = stop.received or sig
-            if isinstance(err, SIGTERMException) and not trainer.fast_dev_run:
-                trainer.save_checkpoint(last, weights_only=False)
-            info = {**info, "interrupted_by": sig.name, "resumed_from": ckpt}
-            if trainer.is_global_zero:
-                write_summary(run_dir, trainer, module, time.perf_counter() - start, info, status="interrupted")
-            raise RunEnded(f"interrupted by {sig.name} at step {trainer.global_step}; saved {last}; "
-                           "continue with the same command and resume=true", stop.exit_code) from err
+            raise end_interrupted(err, stop, trainer, module, run_dir, {**info, "resumed_from": ckpt},
+                                  time.perf_counter() - start) from err
         except NonFiniteLoss as err:
-            info = {**info, "error": str(err), "last_checkpoint": describe_checkpoint(last), "resumed_from": ckpt}
-            if trainer.is_global_zero:
-                write_summary(run_dir, trainer, module, time.perf_counter() - start, info, status="failed")
-            raise RunEnded(f"error: {err}; the last good checkpoint is {describe_checkpoint(last)}; "
-                           "see nonfinite.policy (stop, skip, rollback) in README", 1) from err
+            raise end_nonfinite(err, trainer, module, run_dir, last, {**info, "resumed_from": ckpt},
+                                time.perf_counter() - start) from err
         if not trainer.fast_dev_run:
             trainer.save_checkpoint(last, weights_only=False)
             if module.last_validation_step != trainer.global_step:  # e.g. a resumed run that had finished

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from pytorch_lightning.callbacks import ProgressBar
 
 from attnres.training import naming  # noqa: F401  (registers the run-folder resolver)
 from attnres.training.errors import ConfigError
-from attnres.training.faults import RunEnded, RunRefused, at_last_step, clear_previous_run
+from attnres.training.faults import Interrupted, RunEnded, RunRefused, at_last_step, clear_previous_run
 from attnres.training.io import DISK_FULL, read_json, write_json
 from attnres.training.lit import peak_memory_bytes
 
@@ -299,6 +300,36 @@ def describe_checkpoint(path: Path) -> str:
     except Exception:  # unreadable: say where it is all the same
         step = None
     return f"{path} (step {step})" if step is not None else str(path)
+
+
+def end_interrupted(err: BaseException, stop: Any, trainer: pl.Trainer, module: Any, run_dir: Path,
+                    info: dict[str, Any], elapsed_s: float) -> RunEnded:
+    """A run stopped by SIGINT/SIGTERM (`Interrupted`, or Lightning's SIGTERMException when the
+    signal beat our handler): the checkpoint is saved, metrics.json says "interrupted", and the
+    RunEnded to raise says how to continue (exit 130 / 143)."""
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    last = stop.checkpoint
+    sig = err.signal if isinstance(err, Interrupted) else signal.SIGTERM
+    stop.received = stop.received or sig
+    if isinstance(err, SIGTERMException) and not trainer.fast_dev_run:
+        trainer.save_checkpoint(last, weights_only=False)
+    if trainer.is_global_zero:
+        write_summary(run_dir, trainer, module, elapsed_s, {**info, "interrupted_by": sig.name}, status="interrupted")
+    return RunEnded(f"interrupted by {sig.name} at step {trainer.global_step}; saved {last}; "
+                    "continue with the same command and resume=true", stop.exit_code)
+
+
+def end_nonfinite(err: BaseException, trainer: pl.Trainer, module: Any, run_dir: Path, last: Path,
+                  info: dict[str, Any], elapsed_s: float) -> RunEnded:
+    """A run stopped by a non-finite loss: metrics.json says "failed", naming the step and the
+    last good checkpoint; the RunEnded to raise (exit 1) says the same."""
+    where = describe_checkpoint(last)
+    if trainer.is_global_zero:
+        write_summary(run_dir, trainer, module, elapsed_s, {**info, "error": str(err), "last_checkpoint": where},
+                      status="failed")
+    return RunEnded(f"error: {err}; the last good checkpoint is {where}; "
+                    "see nonfinite.policy (stop, skip, rollback) in README", 1)
 
 
 @contextlib.contextmanager
