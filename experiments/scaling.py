@@ -180,6 +180,10 @@ def _plot(path: Path, records, cells, fits, metric: str, title: str) -> None:
                     label=f"{name}: {fit.a:.3g} (C/{fit.c0:.2g})^-{fit.b:.3g} + {fit.c:.3g}")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 2.5, not 2.5 x 10^0
+        axis(FormatStrFormatter("%.2f"))
     ax.set_xlabel("training compute C (FLOPs)", fontsize=9)
     ax.set_ylabel(f"final {metric}", fontsize=9)
     ax.set_title(title, fontsize=8, wrap=True)
