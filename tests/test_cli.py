@@ -150,7 +150,8 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["residual=blok"], ["unknown residual 'blok'", "did you mean block", "block, full, standard"]),
+        (["residual=blok"], ["unknown residual 'blok'", "did you mean block",  # every option, from conf/residual/
+                             ", ".join(sorted(f.stem for f in (CONF / "residual").glob("*.yaml")))]),
         (["model=huge"], ["unknown model 'huge'", "gpt-small, tiny"]),
         (["residual=block", "num_blocks=3"], ["num_blocks=3", "valid values: 1, 2, 4"]),
         (["data=text"], ["data.path is not set"]),
