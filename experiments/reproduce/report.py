@@ -25,6 +25,7 @@ from attnres.training.summary import collect_rows, find_job_dirs, primary_metric
 from attnres.training.summary_figure import summary_figure  # noqa: E402
 
 PAPER = "Kimi Team, *Attention Residuals*, arXiv 2603.15031 (2026)"
+PAPER_MULTIPLIER = 1.25  # Block AttnRes matches a baseline trained with 1.25x the compute (the paper's headline)
 
 
 def _save(fig: Any, path: Path) -> str:
@@ -282,8 +283,16 @@ def part_ladder(out: Path, figs: Path) -> tuple[list[str], list[str]]:
     if multiplier is None:
         return text, [_claim(False, "Block AttnRes matches a baseline trained with more compute (paper: 1.25x): "
                                     "at some size its loss is below the baseline fit's floor, so no multiplier")]
-    ok = None if interval is None or interval[0] <= 1.0 <= interval[1] else interval[0] > 1.0
+    # reproduced: the interval is above 1; not reproduced: it excludes the paper's 1.25x
+    ok = None if interval is None else True if interval[0] > 1.0 else False if interval[1] < PAPER_MULTIPLIER else None
     where = "no interval" if interval is None else f"95% bootstrap [{interval[0]:.2f}, {interval[1]:.2f}]"
+    fit = result["baseline_fit"]
+    if fit.c < 1e-6:
+        per_percent = 1.01 ** (1 / fit.b)  # the compute factor that lowers a pure power law by 1%
+        text += ["", f"The baseline's irreducible term went to its bound 0: losses this far from saturation "
+                     f"fit a pure power law (exponent b = {fit.b:.3f}), on which 1% of loss is {per_percent:.2f}x "
+                     "compute. So small, seed-level loss differences become large multipliers at a single size; "
+                     "the geometric mean over the sizes is the figure to read."]
     return text, [_claim(ok, f"Block AttnRes matches a baseline trained with more compute (paper: 1.25x): here "
                              f"{multiplier:.2f}x ({where}, geometric mean over the ladder's sizes)")]
 
