@@ -164,6 +164,24 @@ def strategy_factory(name: str, args: argparse.Namespace):
     raise ValueError(f"unknown strategy {name!r}; choose from standard, block, full")
 
 
+
+def saved_forward_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward of `forward()` (each
+    storage counted once, `model`'s parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out  # the graph (and the saved tensors) could be freed only now
+    return sum(saved.values())
+
 class Case:
     """One strategy: model, optimizer, data, and its step functions (eager or compiled)."""
 
@@ -203,20 +221,8 @@ class Case:
         """Bytes autograd keeps for the backward of one eager training forward (each storage
         counted once, parameters left out): the activations a train step holds at its peak,
         measurable on any device."""
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
         self.model.train()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = self.model(self.idx, targets=self.targets)["loss"]
-        del loss
-        return sum(saved.values())
+        return saved_forward_bytes(self.model, lambda: self.model(self.idx, targets=self.targets)["loss"])
 
     def static_bytes(self) -> int:
         """Parameters and optimizer state: resident between steps, counted in the peak."""

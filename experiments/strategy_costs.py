@@ -31,6 +31,9 @@ from omegaconf import OmegaConf
 
 from attnres import Transformer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: bench_residuals
+from bench_residuals import saved_forward_bytes  # noqa: E402
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 VOCAB = 256  # the embedding and head are the same for every strategy, so their size does not matter
 
@@ -47,19 +50,7 @@ def compose_config(residual: str, model: str, num_blocks: int):
 
 def saved_bytes(model: Transformer, idx: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd saves for backward in one training forward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(idx, targets=idx)["loss"]
-    del loss  # the graph (and the saved tensors) could be freed only now
-    return sum(saved.values())
+    return saved_forward_bytes(model, lambda: model(idx, targets=idx)["loss"])
 
 
 def memory_formula(strategy: torch.nn.Module) -> str:
