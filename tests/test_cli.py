@@ -12,6 +12,7 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -73,8 +74,15 @@ def test_option_composes_and_instantiates(composed, tmp_path, group, option):
         cfg.data.cache_dir = str(tmp_path / "cache")
     if "path" in cfg.data:
         cfg.data.path = str(text)
+    if group == "data" and option == "tokens":  # a folder of token files
+        from attnres.training.data.tokens import write_shard
+
+        for split in ("train", "val"):
+            write_shard(tmp_path / f"{split}.bin", np.arange(1000, dtype=np.uint16) % 300)
+        (tmp_path / "meta.json").write_text('{"vocab_size": 300}')
+        cfg.data.path = str(tmp_path)
     data = instantiate(cfg.data)
-    assert data.vocab_size > 0 and data.metric in ("bpb", "accuracy")
+    assert data.vocab_size > 0 and data.metric in ("bpb", "accuracy", "loss")
     model = instantiate(cfg.model, vocab_size=data.vocab_size, residual=instantiate(cfg.residual))
     assert model.residual.num_layers == 2 * cfg.model.n_layer
     instantiate(cfg.optim.optimizer)(model.parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import random
 import resource
 import sys
@@ -27,6 +28,32 @@ log = logging.getLogger("attnres")
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
 
 LN2 = math.log(2.0)
+METRICS = ("bpb", "accuracy", "loss")
+
+#: dense bf16 peak FLOP/s per GPU by device-name fragment, for model FLOPs utilisation (vendor data
+#: sheets, without sparsity); ATTNRES_PEAK_FLOPS=<FLOP/s> overrides, e.g. for another precision
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+                   "A10": 125e12, "4090": 165e12, "3090": 71e12, "V100": 125e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of one `device` (None on CPU or for an unknown GPU)."""
+    if os.environ.get("ATTNRES_PEAK_FLOPS"):
+        return float(os.environ["ATTNRES_PEAK_FLOPS"])
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float | None:
+    """Training FLOPs per token, forward and backward: 6 (N + V D) + 12 n_layer T D, where N is the
+    non-embedding parameter count and V D the LM head's matrix product (Kaplan et al. 2020, table 1;
+    the attention term as in PaLM, Chowdhery et al. 2022, appendix B). None for other models."""
+    if not hasattr(model, "num_parameters") or not hasattr(model, "embed"):
+        return None
+    vocab, width = model.embed.weight.shape
+    return 6.0 * (model.num_parameters(exclude_embedding=True) + vocab * width) + 12.0 * model.n_layer * seq_len * width
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -124,8 +151,8 @@ class LitLanguageModel(pl.LightningModule):
         rollback_checkpoint: str | Path | None = None,
     ) -> None:
         super().__init__()
-        if metric not in ("bpb", "accuracy"):
-            raise ValueError(f"metric must be 'bpb' or 'accuracy', got {metric!r}")
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
         self.nonfinite = {"policy": "stop", "max_in_a_row": 10, "lr_factor": 0.5, "max_rollbacks": 3,
                           **(nonfinite or {})}
         if self.nonfinite["policy"] not in NONFINITE_POLICIES:
@@ -143,6 +170,37 @@ class LitLanguageModel(pl.LightningModule):
         self.session_tokens, self.session_train_s = 0, 0.0  # this process only: for throughput
         self._step_start: float | None = None
         self._val_sums: dict[str, float] = {}
+        self._token_bytes: Tensor | None = None
+        self._flops_per_token: float | None = None
+
+    def setup(self, stage: str) -> None:
+        """Gradient accumulation from the data's `tokens_per_step` (a global batch in tokens)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if stage == "fit" and getattr(datamodule, "tokens_per_step", None) is not None:
+            steps = datamodule.accumulation(self.trainer.world_size)
+            if self.trainer.accumulate_grad_batches not in (1, steps):
+                raise ConfigError(
+                    f"data.tokens_per_step={datamodule.tokens_per_step} sets gradient accumulation to {steps}, but "
+                    f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches}; set only one of them")
+            self.trainer.accumulate_grad_batches = steps
+            log.info(f"data.tokens_per_step={datamodule.tokens_per_step}: {steps} micro-batch(es) of "
+                     f"{datamodule.batch_size} x {datamodule.block_size} per device and step, "
+                     f"{self.trainer.world_size} device(s)")
+
+    def token_bytes(self) -> Tensor | None:
+        """UTF-8 bytes of each token id on this device (the data module's), or None: one byte each."""
+        if self._token_bytes is None or self._token_bytes.device != self.device:
+            table = getattr(getattr(self.trainer, "datamodule", None), "token_bytes", None)
+            self._token_bytes = None if table is None else table.to(self.device)
+        return self._token_bytes
+
+    def bytes_of(self, targets: Tensor) -> Tensor:
+        """UTF-8 bytes the scored targets decode to, a 0-dim int64 tensor."""
+        scored = targets != -100
+        table = self.token_bytes()
+        if table is None:
+            return scored.sum()
+        return table[targets[scored]].sum()
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> dict[str, Tensor]:
         return self.forward_fn(idx, targets)
@@ -158,8 +216,9 @@ class LitLanguageModel(pl.LightningModule):
         if not self._all_finite(loss):
             return self._non_finite("loss")
         self.log("train/loss", loss, prog_bar=True)
-        if self.metric == "bpb":
-            self.log("train/bpb", loss / LN2)
+        if self.metric == "bpb":  # nats per scored token -> bits per byte of this batch's text
+            scored = (targets != -100).sum()
+            self.log("train/bpb", loss.detach() / LN2 * scored / self.bytes_of(targets).clamp(min=1))
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -177,10 +236,28 @@ class LitLanguageModel(pl.LightningModule):
         self.session_train_s += elapsed
         if elapsed > 0:
             self.log("perf/tokens_per_sec", tokens / elapsed, prog_bar=True)
+            mfu = self.mfu(tokens / elapsed, batch[0].shape[1])
+            if mfu is not None:
+                self.log("perf/mfu", mfu)
         self.log("perf/peak_memory_gb", peak_memory_bytes(self.device) / 2**30)
         self.log("perf/tokens_seen", float(self.tokens_seen))
         for group in self.optimizers().param_groups:
             self.log(f"lr/{group['name']}", group["lr"])
+
+    def mfu(self, tokens_per_sec: float, seq_len: int) -> float | None:
+        """Model FLOPs utilisation at `tokens_per_sec` (all devices), on GPU with a known peak only."""
+        peak = peak_flops(self.device)
+        if peak is None:
+            return None
+        if self._flops_per_token is None:
+            self._flops_per_token = flops_per_token(self.model, seq_len) or 0.0
+        return tokens_per_sec * self._flops_per_token / (peak * self.trainer.world_size) or None
+
+    def session_mfu(self) -> float | None:
+        """MFU over this process's training steps (metrics.json), None on CPU."""
+        if not self.session_train_s or self._flops_per_token is None:
+            return None
+        return self.mfu(self.session_tokens / self.session_train_s, 0)
 
     # -- non-finite losses and gradients ---------------------------------------------------
     def _all_finite(self, value: Tensor) -> bool:
@@ -259,7 +336,7 @@ class LitLanguageModel(pl.LightningModule):
 
     # -- validation --------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = {"loss": 0.0, "tokens": 0.0, "correct": 0.0, "examples": 0.0}
+        self._val_sums = {"loss": 0.0, "tokens": 0.0, "bytes": 0.0, "correct": 0.0, "examples": 0.0}
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         inputs, targets = batch
@@ -267,6 +344,8 @@ class LitLanguageModel(pl.LightningModule):
         scored = (targets != -100).sum().item()
         self._val_sums["loss"] += out["loss"].item() * scored
         self._val_sums["tokens"] += scored
+        if self.metric == "bpb":
+            self._val_sums["bytes"] += self.bytes_of(targets).item()
         if self.metric == "accuracy":
             self._val_sums["correct"] += exact_match(out["logits"], targets).item() * inputs.shape[0]
             self._val_sums["examples"] += inputs.shape[0]
@@ -282,8 +361,8 @@ class LitLanguageModel(pl.LightningModule):
             self.last_validation_step = self.trainer.global_step
         loss = values["loss"] / values["tokens"]
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        if self.metric == "bpb":
-            self.log("val/bpb", loss / LN2, prog_bar=True)
+        if self.metric == "bpb" and values["bytes"]:  # total nats / ln 2 / total UTF-8 bytes
+            self.log("val/bpb", values["loss"] / LN2 / values["bytes"], prog_bar=True)
         elif values["examples"]:
             self.log("val/accuracy", values["correct"] / values["examples"], prog_bar=True)
 

@@ -220,6 +220,7 @@ def write_summary(
         "status": status,
         "metrics": {k: v for k, v in sorted(metrics.items()) if not k.startswith(("lr/", "perf/"))},
         "tokens_per_sec": module.session_tokens / module.session_train_s if module.session_train_s else None,
+        "mfu": module.session_mfu() if hasattr(module, "session_mfu") else None,  # GPU only
         "parameters": model.num_parameters() if hasattr(model, "num_parameters") else None,
         "parameters_without_residual": (
             model.num_parameters(exclude_residual=True) if hasattr(model, "num_parameters") else None

@@ -760,6 +760,10 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "max_files": Rule("int", 1, nullable=True, example=100), "num_symbols": Rule("int", 2, example=8),
         "num_hops": Rule("int", 1, example=2), "num_pairs": Rule("int", 2, nullable=True, example=8),
         "num_queries": Rule("int", 1, nullable=True, example=8),
+        "val_tokens": Rule("int", 1, nullable=True, example=1048576),
+        "vocab_size": Rule("int", 1, nullable=True, example=50257),
+        "tokens_per_step": Rule("int", 1, nullable=True, example=524288),
+        "dtype": Rule("choice", choices=("uint16", "uint32"), nullable=True),
     },
     ("trainer", TRAINERS): {
         "max_steps": Rule("int", 1, also=(-1,), example=1500),

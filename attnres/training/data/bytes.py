@@ -93,10 +93,13 @@ class BytesDataModule(StreamDataModule):
         val_fraction: float = 0.05,
         val_batches: int = 16,
         cache_dir: str | None = None,
+        tokens_per_step: int | None = None,
     ) -> None:
         super().__init__(
-            block_size=block_size, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches
+            block_size=block_size, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
+            tokens_per_step=tokens_per_step,
         )
+        self.token_bytes = torch.ones(256, dtype=torch.int64)  # a token is one byte
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={val_fraction!r} must lie in (0, 1); set e.g. data.val_fraction=0.05")
         self.val_fraction = val_fraction
@@ -154,6 +157,13 @@ class BytesDataModule(StreamDataModule):
         self.setup()
         return _Bytes(self.train_path).data, _Bytes(self.val_path).data
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (mode=sample's prompt): its UTF-8 bytes."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
     def unigram_bits_per_byte(self) -> float:
         """Baseline: val bits per byte of an add-one smoothed byte-frequency model fit on train."""
         return corpus.unigram_bits_per_byte(*self.memmaps())
@@ -176,10 +186,11 @@ class StdlibBytesDataModule(BytesDataModule):
         val_batches: int = 16,
         cache_dir: str | None = None,
         max_files: int | None = None,
+        tokens_per_step: int | None = None,
     ) -> None:
         super().__init__(
             block_size=block_size, batch_size=batch_size, num_workers=num_workers, seed=seed,
-            val_fraction=val_fraction, val_batches=val_batches, cache_dir=cache_dir,
+            val_fraction=val_fraction, val_batches=val_batches, cache_dir=cache_dir, tokens_per_step=tokens_per_step,
         )
         if max_files is not None and max_files < 1:
             raise ConfigError(f"data.max_files={max_files!r} must be >= 1; set data.max_files=null for all files")
@@ -213,10 +224,11 @@ class TextBytesDataModule(BytesDataModule):
         val_fraction: float = 0.05,
         val_batches: int = 16,
         cache_dir: str | None = None,
+        tokens_per_step: int | None = None,
     ) -> None:
         super().__init__(
             block_size=block_size, batch_size=batch_size, num_workers=num_workers, seed=seed,
-            val_fraction=val_fraction, val_batches=val_batches, cache_dir=cache_dir,
+            val_fraction=val_fraction, val_batches=val_batches, cache_dir=cache_dir, tokens_per_step=tokens_per_step,
         )
         if not path:
             raise ConfigError("data.path is not set; set data.path=<file, folder or glob> to your UTF-8 text")

@@ -84,12 +84,31 @@ class StreamDataModule(pl.LightningDataModule):
 
     vocab_size: int
     metric: str
+    #: UTF-8 bytes of each token id (V,), int64, for bits per byte; None when unknown
+    token_bytes: Tensor | None = None
 
-    def __init__(self, *, block_size: int, batch_size: int, num_workers: int, seed: int, val_batches: int) -> None:
+    def __init__(self, *, block_size: int, batch_size: int, num_workers: int, seed: int, val_batches: int,
+                 tokens_per_step: int | None = None) -> None:
         super().__init__()
         check_common(block_size, batch_size, num_workers, seed, val_batches)
+        if tokens_per_step is not None and (not isinstance(tokens_per_step, int) or isinstance(tokens_per_step, bool)
+                                            or tokens_per_step < 1):
+            raise ConfigError(f"data.tokens_per_step={tokens_per_step!r} must be a positive integer (tokens per "
+                              "optimiser step, all devices) or null for one micro-batch per device")
         self.block_size, self.batch_size, self.num_workers = block_size, batch_size, num_workers
-        self.seed, self.val_batches = seed, val_batches
+        self.seed, self.val_batches, self.tokens_per_step = seed, val_batches, tokens_per_step
+
+    def accumulation(self, world_size: int) -> int:
+        """Micro-batches per optimiser step that make `tokens_per_step` (1 when it is not set)."""
+        if self.tokens_per_step is None:
+            return 1
+        micro = self.batch_size * self.block_size * world_size
+        if self.tokens_per_step % micro:
+            raise ConfigError(
+                f"data.tokens_per_step={self.tokens_per_step} is not a multiple of batch_size x block_size x devices "
+                f"= {self.batch_size} x {self.block_size} x {world_size} = {micro}; set it to a multiple "
+                f"(e.g. {max(1, round(self.tokens_per_step / micro)) * micro}) or change data.batch_size")
+        return self.tokens_per_step // micro
 
     # -- subclasses -------------------------------------------------------------------------------
     def train_dataset(self) -> Dataset:
