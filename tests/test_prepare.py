@@ -1,0 +1,176 @@
+"""attnres-prepare: text -> token files; determinism over workers, meta.json, errors, atomic output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnres.training.data import prepare as prep
+from attnres.training.data.tokens import TokensDataModule, open_shard
+from attnres.training.errors import ConfigError
+
+WORDS = "attention residual block depth query softmax layer token stream café über naïve".split()
+
+
+def corpus(root: Path, files: int = 12) -> Path:
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True)
+    for k in range(files):
+        lines = [" ".join(rng.choice(WORDS, 9)) for _ in range(30)]
+        (root / f"doc{k:02d}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (root / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))  # not UTF-8: skipped
+    return root
+
+
+def run(src, out, **kw):
+    kw.setdefault("progress", False)
+    kw.setdefault("val_fraction", 0.3)  # the small test corpus then has validation files
+    return prep.prepare(str(src), str(out), **kw)
+
+
+def tokens(path: Path) -> np.ndarray:
+    return np.array(open_shard(str(path), np.dtype(np.uint16)).tokens())
+
+
+def test_prepare_writes_what_data_tokens_reads(tmp_path):
+    src = corpus(tmp_path / "src")
+    meta = run(src, tmp_path / "out", vocab_size=300, workers=1, val_fraction=0.3)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert json.loads((out / "meta.json").read_text()) == meta
+    assert meta["vocab_size"] == 300 and meta["source"]["skipped_not_utf8"] == ["latin1.txt"]
+    assert meta["train_tokens"] == len(tokens(out / "train.bin")) and meta["val_tokens"] == len(tokens(out / "val.bin"))
+    # the validation tokens decode to the validation files (split as the byte corpus splits them), joined by EOT
+    from tokenizers import Tokenizer
+
+    from attnres.training.data.corpus import in_validation
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    val_files = [p for p in sorted(src.glob("doc*.txt")) if in_validation(p.name, 0.3)]
+    assert val_files, "the test corpus needs a validation file"
+    eot = tok.token_to_id(prep.EOT)
+    pieces = np.split(tokens(out / "val.bin"), np.flatnonzero(tokens(out / "val.bin") == eot) + 1)
+    assert [tok.decode(p[p != eot].tolist()) for p in pieces if len(p)] == [p.read_text() for p in val_files]
+    assert meta["val_bytes"] == sum(p.stat().st_size for p in val_files)
+    dm = TokensDataModule(path=str(out), block_size=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
+    dm.setup()
+    assert dm.vocab_size == 300 and dm.metric == "bpb" and dm.token_bytes is not None
+
+
+def test_output_does_not_depend_on_workers_and_a_loaded_tokenizer_agrees(tmp_path):
+    src = corpus(tmp_path / "src")
+    a = run(src, tmp_path / "one", vocab_size=300, workers=1)
+    b = run(src, tmp_path / "two", vocab_size=300, workers=2)
+    c = run(src, tmp_path / "loaded", tokenizer=str(tmp_path / "one" / "tokenizer.json"), workers=2)
+    for split in ("train.bin", "val.bin"):
+        assert (tmp_path / "one" / split).read_bytes() == (tmp_path / "two" / split).read_bytes()
+        assert (tmp_path / "one" / split).read_bytes() == (tmp_path / "loaded" / split).read_bytes()
+    assert a["source"]["fingerprint"] == b["source"]["fingerprint"] == c["source"]["fingerprint"]
+    assert c["tokenizer"]["trained"] is False
+
+
+def test_fingerprint_follows_the_content(tmp_path):
+    src = corpus(tmp_path / "src")
+    a = run(src, tmp_path / "a", vocab_size=300, workers=1)
+    (src / "doc03.txt").write_text("changed\n")
+    b = run(src, tmp_path / "b", vocab_size=300, workers=1)
+    assert a["source"]["fingerprint"] != b["source"]["fingerprint"]
+
+
+def test_jsonl_documents_and_a_single_text_file(tmp_path):
+    docs = [{"text": f"document {k}: " + " ".join(WORDS[k % 5 :])} for k in range(200)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    meta = run(jsonl, tmp_path / "j", vocab_size=300, workers=2, val_fraction=0.2)
+    assert meta["documents"] == 200
+    assert meta["train_bytes"] + meta["val_bytes"] == sum(len(d["text"].encode()) for d in docs)
+    single = tmp_path / "one.txt"
+    single.write_text("".join(f"line {k} of a long single file\n" for k in range(2000)))
+    meta = run(single, tmp_path / "s", vocab_size=300, workers=1, val_fraction=0.1)
+    assert meta["train_bytes"] + meta["val_bytes"] == single.stat().st_size
+    assert 0.08 < meta["val_bytes"] / single.stat().st_size < 0.12
+
+
+def test_big_files_are_cut_into_pieces_after_newlines(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "CHUNK_BYTES", 1000)
+    single = tmp_path / "one.txt"
+    single.write_text("".join(f"line {k} of a long single file\n" for k in range(2000)))
+    tasks = prep.make_tasks([prep.corpus.stat_file(str(tmp_path), str(single))], 0.1)
+    assert len(tasks) > 50
+    data = single.read_bytes()
+    assert all(data[t.start - 1 : t.start] == b"\n" for t in tasks[1:])
+    assert sum(t.nbytes for t in tasks) == len(data)
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"tokenizer": "/nonexistent/tokenizer.json"}, "is not a file; pass a local tokenizer.json"),
+    ({}, "pass exactly one of --vocab-size"),
+    ({"vocab_size": 300, "tokenizer": "x"}, "pass exactly one of --vocab-size"),
+    ({"vocab_size": 100}, "below 258"),
+    ({"vocab_size": 300, "val_fraction": 1.5}, "--val-fraction 1.5"),
+])
+def test_errors_are_one_line(kwargs, needle, tmp_path):
+    src = corpus(tmp_path / "src")
+    with pytest.raises(ConfigError) as err:
+        run(src, tmp_path / "out", **kwargs)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_source_errors(tmp_path):
+    with pytest.raises(ConfigError, match="matches no file"):
+        run(tmp_path / "nothing*.txt", tmp_path / "out", vocab_size=300)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "no text field"}\n')
+    with pytest.raises(ConfigError, match="--text-field"):
+        run(bad, tmp_path / "out", vocab_size=300, workers=1)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        (tmp_path / "x.parquet").write_bytes(b"PAR1")
+        with pytest.raises(ConfigError, match="pip install pyarrow"):
+            run(tmp_path / "x.parquet", tmp_path / "out", vocab_size=300)
+
+
+def test_same_command_twice_refuses_then_overwrites(tmp_path):
+    src = corpus(tmp_path / "src")
+    run(src, tmp_path / "out", vocab_size=300, workers=1)
+    with pytest.raises(ConfigError, match="--overwrite"):
+        run(src, tmp_path / "out", vocab_size=300, workers=1)
+    run(src, tmp_path / "out", vocab_size=320, workers=1, overwrite=True)
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["vocab_size"] == 320
+
+
+def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
+    src = corpus(tmp_path / "src")
+    real, calls = prep.encode_task, []
+
+    def dying(task):
+        calls.append(task)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(prep, "encode_task", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run(src, tmp_path / "out", vocab_size=300, workers=1)
+    assert list((tmp_path / "out").iterdir()) == []  # no output files, no temporary folder
+
+
+def test_command_line_exit_status(tmp_path):
+    src = corpus(tmp_path / "src")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "attnres.training.data.prepare", str(src), str(tmp_path / "out")]
+    bad = subprocess.run(cmd + ["--tokenizer", str(tmp_path / "missing.json")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "missing.json" in bad.stderr
+    ok = subprocess.run(cmd + ["--vocab-size", "300", "--workers", "2", "--val-fraction", "0.3"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "data=tokens data.path=" in ok.stdout
