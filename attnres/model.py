@@ -47,6 +47,38 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+class KVCache:
+    """Keys and values of every attention sublayer, for decoding one token at a time.
+
+    `Transformer.forward(idx, kv_cache=cache)` runs `idx` as the positions `cache.pos ..` that
+    follow what the cache holds, appends their keys and values and advances `pos`. The residual
+    strategy needs nothing more: a token's depth sources are its own earlier sublayer outputs,
+    computed in the same pass, and only attention looks at other positions. Buffers are
+    (B, H, max_len, hd) per attention sublayer, allocated at the first write.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len, self.pos = max_len, 0
+        self.keys: dict[int, Tensor] = {}
+        self.values: dict[int, Tensor] = {}
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, H, T, hd) at positions pos .. pos + T; return all keys and values so far."""
+        T = k.shape[2]
+        if self.pos + T > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} positions; {self.pos} used, {T} more do not fit")
+        if layer not in self.keys or self.keys[layer].shape[0] != k.shape[0]:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer] = k.new_empty(shape)
+            self.values[layer] = v.new_empty(shape)
+        self.keys[layer][:, :, self.pos : self.pos + T] = k
+        self.values[layer][:, :, self.pos : self.pos + T] = v
+        return self.keys[layer][:, :, : self.pos + T], self.values[layer][:, :, : self.pos + T]
+
+
 class Attention(nn.Module):
     """Sublayer: causal self-attention of RMSNorm(x), with rotary positions."""
 
@@ -55,18 +87,28 @@ class Attention(nn.Module):
         if n_embd % n_head != 0 or (n_embd // n_head) % 2 != 0:
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head} into an even head size")
         self.n_head, self.dropout = n_head, dropout
+        self.cache_index = 0  # which KVCache slot is this sublayer's (set by the Transformer)
         self.norm = RMSNorm(n_embd, eps)
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: KVCache | None = None) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(self.norm(x)).split(D, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
-        cos, sin = rope
+        cos, sin = rope  # the tables at these T positions
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        mask, causal = None, True
+        if kv_cache is not None:
+            start = kv_cache.pos
+            k, v = kv_cache.update(self.cache_index, k, v)  # (B, H, start + T, hd)
+            if start:  # query i (position start + i) sees keys 0 .. start + i
+                causal = False
+                if T > 1:
+                    mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=causal)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
 
@@ -84,7 +126,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(hidden, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv_cache: KVCache | None = None) -> Tensor:
         u = self.up(self.norm(x))
         if self.activation == "swiglu":
             gate, u = u.chunk(2, dim=-1)
@@ -123,8 +165,9 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(vocab_size, n_embd)
         self.embed_dropout = nn.Dropout(dropout)
         self.sublayers = nn.ModuleList()
-        for _ in range(n_layer):
+        for layer in range(n_layer):
             self.sublayers.append(Attention(n_embd, n_head, dropout, bias, norm_eps))
+            self.sublayers[-1].cache_index = layer
             self.sublayers.append(MLP(n_embd, mlp, dropout, bias, norm_eps))
         self.norm = RMSNorm(n_embd, norm_eps)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
@@ -160,20 +203,65 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in params.values())
 
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, return_hidden: bool = False
+        self, idx: Tensor, targets: Tensor | None = None, return_hidden: bool = False,
+        kv_cache: KVCache | None = None,
     ) -> dict[str, Tensor]:
         """idx: (B, T) token ids. Returns {"logits": (B, T, V)}, plus "loss" (mean
         cross-entropy over targets != -100) when `targets` is given and "hidden" (B, T, D),
-        the final normalised hidden state, when `return_hidden`."""
+        the final normalised hidden state, when `return_hidden`. With `kv_cache`, `idx` are the
+        positions after those the cache holds (see `KVCache`)."""
         B, T = idx.shape
-        if T > self.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.block_size}")
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size={self.block_size}")
         x = self.embed_dropout(self.embed(idx))  # (B, T, D)
-        rope = (self.rope_cos[:T], self.rope_sin[:T])
-        hidden = self.norm(self.residual(x, self.sublayers, rope=rope))
+        kwargs: dict = {"rope": (self.rope_cos[start : start + T], self.rope_sin[start : start + T])}
+        if kv_cache is not None:  # passed only when decoding, so custom sublayers need not know it
+            kwargs["kv_cache"] = kv_cache
+        hidden = self.norm(self.residual(x, self.sublayers, **kwargs))
+        if kv_cache is not None:
+            kv_cache.pos += T
         out = {"logits": self.head(hidden)}
         if return_hidden:
             out["hidden"] = hidden
         if targets is not None:
             out["loss"] = F.cross_entropy(out["logits"].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return out
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 use_cache: bool = True, generator: torch.Generator | None = None) -> Tensor:
+        """Continue `idx` (B, T0) by `max_new_tokens` tokens; returns (B, T0 + max_new_tokens).
+
+        temperature 0 is greedy decoding; `top_k` keeps the k likeliest tokens. Each step reads the
+        last `block_size` tokens at most (positions restart when the window slides, as a full
+        forward over them would). With `use_cache` the steps reuse a `KVCache` and compute one
+        token each until the window slides; without, every step is a full forward (the reference)."""
+        if temperature < 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        seq, window = idx, self.block_size
+        cache = KVCache(window) if use_cache else None
+        logits = self(seq[:, -window:], kv_cache=cache)["logits"][:, -1]
+        for _ in range(max_new_tokens):
+            nxt = self._pick(logits, temperature, top_k, generator)  # (B, 1)
+            seq = torch.cat((seq, nxt), dim=1)
+            if cache is not None and cache.pos < window:
+                logits = self(nxt, kv_cache=cache)["logits"][:, -1]
+            else:  # no cache, or a full one: the window slides
+                if cache is not None:
+                    cache.reset()
+                logits = self(seq[:, -window:], kv_cache=cache)["logits"][:, -1]
+        return seq
+
+    @staticmethod
+    def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+        logits = logits.float()
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
