@@ -11,6 +11,11 @@ Subclasses implement `run` and route every sublayer call through `call_sublayer`
 every depth attention through `attend`; that is all it takes to support recording.
 The AttnRes strategies also have a fast path (`kernel` option, see
 `attnres.functional`): two-phase depth attention, taken on every pass that does not record.
+
+Knock-outs (`attnres.probes`) use the same two routes: while a knock-out is armed
+(`residual._knockout`, set only inside `attnres.probes.knockout`), `call_sublayer` and `mix`
+hand over to it and `fast_kernel` returns None, so the pass takes the reference path. With
+no knock-out armed, nothing of this runs: the recording and fast paths are unchanged.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ class ResidualStrategy(nn.Module):
 
     #: whether this strategy computes depth-attention weights (dashboards draw heatmaps then)
     has_depth_attention: bool = False
+    #: whether its recorded weights are a softmax routed through `mix`, so that one source can be
+    #: knocked out of a row and the rest renormalised (`attnres.probes.source_knockouts`)
+    source_knockouts: bool = False
 
     def __init__(self, d_model: int, num_layers: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -73,6 +81,7 @@ class ResidualStrategy(nn.Module):
         self._record_next = False
         self._record: DepthRecord | None = None
         self.recorded: DepthRecord | None = None
+        self._knockout: Any = None  # an attnres.probes knock-out, only while one is armed
 
     def depth_layout(self) -> tuple[str, list[str], str]:
         """(name for figure titles, heatmap column labels, what the columns are). Column i is
@@ -122,7 +131,10 @@ class ResidualStrategy(nn.Module):
         raise NotImplementedError
 
     def call_sublayer(self, index: int, sublayer: Sublayer, x: Tensor, sublayer_kwargs: dict[str, Any]) -> Tensor:
-        out = sublayer(x, **sublayer_kwargs)
+        if self._knockout is None:
+            out = sublayer(x, **sublayer_kwargs)
+        else:  # a knock-out pass: it may reuse a cached output, or remove this one
+            out = self._knockout.call_sublayer(index, sublayer, x, sublayer_kwargs)
         if self._record is not None:
             self._record.input_rms.append(_mean_rms(x))
             self._record.output_rms.append(_mean_rms(out))
@@ -195,6 +207,7 @@ class DepthAttentionResidual(ResidualStrategy):
     """
 
     has_depth_attention = True
+    source_knockouts = True
 
     def __init__(
         self,
@@ -240,16 +253,25 @@ class DepthAttentionResidual(ResidualStrategy):
 
     def fast_kernel(self, like: Tensor) -> str | None:
         """The implementation of the two-phase fast path for inputs like `like`, or None when
-        this pass takes the one-attention-per-sublayer path (recording, kernel="naive", or an
-        ablation option)."""
-        if self._record is not None or self.kernel == "naive" or self.ablated:
+        this pass takes the one-attention-per-sublayer path (recording, a knock-out,
+        kernel="naive", or an ablation option)."""
+        if self._record is not None or self._knockout is not None or self.kernel == "naive" or self.ablated:
             return None
         return resolve_kernel(self.kernel, like)
 
     def mix(self, index: int, sources: Sequence[Tensor], columns: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         """(h, weights (S, ...)) of depth attention over `sources` with the parameters of
         `index`, not recorded. `columns`: each source's index in the row, when `sources` are
-        not its first S (a window)."""
+        not its first S (a window). On a knock-out pass, the knock-out decides which sources
+        take part (`attnres.probes`); the weights keep one row per source (0 where removed)."""
+        if self._knockout is not None:
+            return self._knockout.mix(self, index, sources, columns)
+        return self.reference_mix(index, sources, columns)
+
+    def reference_mix(
+        self, index: int, sources: Sequence[Tensor], columns: Sequence[int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """`mix` as the strategy defines it, whatever pass is running."""
         if self.ablated:
             return ablated_mix(self, index, sources, columns)
         gain = None if self.key_norm_weight is None else self.key_norm_weight[index]
