@@ -125,6 +125,11 @@ class Knockout:
 
     def mix(self, strategy: Any, index: int, sources: Sequence[Tensor],
             columns: Sequence[int] | None) -> tuple[Tensor, Tensor]:
+        if self.prefix is not None and index < len(self.prefix):
+            # this sublayer's output is reused (`call_sublayer`), so what it would read is never used:
+            # skip the depth attention (a placeholder of the right shape; nothing records on these passes)
+            like = sources[0]
+            return like, like.new_zeros(()).expand(len(sources), *like.shape[:-1])
         cols = list(range(len(sources))) if columns is None else list(columns)
         if self.collect is not None:
             self._collect(index, sources, cols)
