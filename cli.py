@@ -70,6 +70,10 @@ logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: n
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
     validate_config(cfg)
+    if cfg.get("mode", "train") != "train":  # mode=eval | sample: a checkpoint, no training
+        from attnres.training.evaluate import run_mode
+
+        return run_mode(cfg, run_dir, info)
     share_log_file()
     last = run_dir / "checkpoints" / "last.ckpt"
     with RunLock(run_dir), stop_signals(GracefulStop(last)) as stop:

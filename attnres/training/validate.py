@@ -741,6 +741,11 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "seed": Rule("int", 0, 2**32 - 1, example=0),
         "num_blocks": Rule("int", 1, example=4),
         "compile": BOOL, "resume": BOOL, "overwrite": BOOL,
+        "mode": Rule("choice", choices=("train", "eval", "sample")),
+    },
+    ("sample", ()): {
+        "max_new_tokens": Rule("int", 1, example=200), "temperature": Rule("number", 0, example=0.8),
+        "top_k": Rule("int", 1, nullable=True, example=50), "num_samples": Rule("int", 1, example=1),
     },
     ("model", ("attnres.Transformer",)): {
         "n_layer": Rule("int", 1, example=8), "n_head": Rule("int", 1, example=4),

@@ -1,0 +1,133 @@
+"""`attnres-run mode=eval` and `mode=sample`: use a checkpoint without training it.
+
+    attnres-run mode=eval ckpt_path=RUN/checkpoints/last.ckpt [data=... data.path=...]
+    attnres-run mode=sample ckpt_path=RUN/checkpoints/last.ckpt sample.prompt='def main' [data=...]
+
+The model and residual strategy are the checkpoint's own: read from `.hydra/config.yaml` of the
+run folder that holds it (`RUN/checkpoints/x.ckpt` -> `RUN/.hydra/config.yaml`), else from this
+command's config. The data is this command's, so any checkpoint can be scored on any data that
+uses its tokenizer (same vocabulary). `mode=eval` validates once and writes `eval.json` in the
+run folder; `mode=sample` writes `samples.txt` there and prints the samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from attnres.training.errors import ConfigError
+from attnres.training.io import write_json
+
+log = logging.getLogger("attnres")
+MODES = ("train", "eval", "sample")
+
+
+def checkpoint_config(ckpt: Path) -> DictConfig | None:
+    """The config of the run that wrote `ckpt` (RUN/checkpoints/x.ckpt -> RUN/.hydra/config.yaml)."""
+    for folder in (ckpt.parent.parent, ckpt.parent):
+        path = folder / ".hydra" / "config.yaml"
+        if path.is_file():
+            return OmegaConf.load(path)
+    return None
+
+
+def build(cfg: DictConfig) -> tuple[Any, Any, Path]:
+    """(datamodule, LitLanguageModel with the checkpoint's weights, checkpoint path)."""
+    from attnres.training.lit import LitLanguageModel
+    from attnres.training.run import check_checkpoint
+
+    if not cfg.get("ckpt_path"):
+        raise ConfigError(f"mode={cfg.mode} needs a checkpoint: set ckpt_path=<RUN/checkpoints/last.ckpt>")
+    ckpt = Path(str(cfg.ckpt_path)).expanduser()
+    if not ckpt.is_file():
+        raise ConfigError(f"ckpt_path={ckpt} is not a file; pass the path of a .ckpt written by attnres-run")
+    trained = checkpoint_config(ckpt)
+    if trained is not None:  # its own shape and strategy; this command's data
+        with open_dict(cfg):
+            cfg.model = trained.model
+            cfg.residual = trained.residual
+            if "num_blocks" in trained:
+                cfg.num_blocks = trained.num_blocks
+        log.info(f"model and residual strategy from {ckpt.parent.parent / '.hydra' / 'config.yaml'}")
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    embed = (state.get("state_dict") or {}).get("model.embed.weight") if isinstance(state, dict) else None
+    if embed is not None and embed.shape[0] != datamodule.vocab_size:
+        raise ConfigError(f"checkpoint {ckpt} has a vocabulary of {embed.shape[0]} tokens but the data has "
+                          f"{datamodule.vocab_size}; use data tokenized as it was trained (data=..., data.path=...)")
+    module = LitLanguageModel(model, optimizer=instantiate(cfg.optim.optimizer), metric=datamodule.metric,
+                              seed=cfg.seed)
+    check_checkpoint(str(ckpt), module)
+    module.load_state_dict(state["state_dict"])
+    return datamodule, module, ckpt
+
+
+def run_mode(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
+    """mode=eval or mode=sample into `run_dir`; returns what it wrote."""
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode} is not one of {', '.join(MODES)}; set mode=train, mode=eval or mode=sample")
+    datamodule, module, ckpt = build(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.mode == "eval":
+        return evaluate(cfg, datamodule, module, ckpt, run_dir)
+    return sample(cfg, datamodule, module, ckpt, run_dir)
+
+
+def evaluate(cfg: DictConfig, datamodule: Any, module: Any, ckpt: Path, run_dir: Path) -> dict:
+    import pytorch_lightning as pl
+
+    from attnres.training.run import report, resolve_precision
+
+    accelerator = cfg.trainer.get("accelerator", "auto")
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         precision=resolve_precision(cfg.trainer.get("precision", "auto"), accelerator))
+    start = time.perf_counter()
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if k.startswith("val/")}
+    windows = len(datamodule.val_dataset())
+    out = {"mode": "eval", "checkpoint": str(ckpt), "metrics": metrics,
+           "validation_tokens": windows * datamodule.block_size, "data": OmegaConf.to_container(cfg.data),
+           "wall_time_s": round(time.perf_counter() - start, 3)}
+    write_json(run_dir / "eval.json", out)
+    report(f"evaluated {ckpt}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+           + f" on {out['validation_tokens']:,} tokens\n  eval.json    {run_dir / 'eval.json'}")
+    return out
+
+
+def sample(cfg: DictConfig, datamodule: Any, module: Any, ckpt: Path, run_dir: Path) -> dict:
+    from attnres.training.run import report
+
+    options = cfg.get("sample") or {}
+    prompt = str(options.get("prompt", "\n"))
+    new, temperature = int(options.get("max_new_tokens", 200)), float(options.get("temperature", 0.8))
+    top_k, count = options.get("top_k", 50), int(options.get("num_samples", 1))
+    if not hasattr(datamodule, "encode"):
+        raise ConfigError(f"mode=sample needs text data (data=stdlib, text or tokens), not {type(datamodule).__name__}")
+    ids = datamodule.encode(prompt)
+    if not ids:
+        raise ConfigError("sample.prompt encodes to no tokens; give a non-empty prompt, e.g. sample.prompt='def '")
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.get("accelerator") != "cpu" else "cpu")
+    model = module.model.to(device).eval()
+    generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    idx = torch.tensor([ids] * count, dtype=torch.long, device=device)
+    start = time.perf_counter()
+    out = model.generate(idx, new, temperature=temperature, top_k=None if top_k is None else int(top_k),
+                         generator=generator)
+    elapsed = time.perf_counter() - start
+    texts = [datamodule.decode(row.tolist()) for row in out.cpu()]
+    (run_dir / "samples.txt").write_text("\n\n=====\n\n".join(texts) + "\n", encoding="utf-8")
+    result = {"mode": "sample", "checkpoint": str(ckpt), "prompt": prompt, "samples": texts,
+              "tokens_per_sec": round(count * new / elapsed, 1) if elapsed else None}
+    write_json(run_dir / "samples.json", result)
+    report("\n\n=====\n\n".join(texts) + f"\n\n{count} sample(s) of {new} tokens at "
+           f"{result['tokens_per_sec']} tokens/s (KV cache)\n  samples.txt  {run_dir / 'samples.txt'}")
+    return result
+
