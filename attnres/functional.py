@@ -49,6 +49,7 @@ from attnres.ops.torch_fused import fold_queries
 
 __all__ = [
     "KERNELS",
+    "SourceStack",
     "block_attn_res",
     "completed_attention",
     "depth_attention",
@@ -252,15 +253,18 @@ def completed_attention(
     queries: Tensor,
     eps: float = 1e-6,
     kernel: str = "auto",
+    stacked: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Phase 1: K queries (K, D) (gain-folded, see `fold_queries`) against the same sources
     (n tensors (..., D)) in one pass. `inv_rms`: (n, ...) from `key_inv_rms`, or None to
     compute it. Returns K outputs (..., D) and their log-sum-exp (K, ...) of the logits,
-    which `merge_partial` needs to extend the softmax with further sources."""
+    which `merge_partial` needs to extend the softmax with further sources. `stacked`: the
+    sources' values as one (n, ..., D) tensor, when the caller keeps one (`SourceStack`);
+    the "torch" implementation then reads that instead of stacking them itself."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, sources[0])
     impl = _impl("torch" if kernel == "naive" else kernel)
-    outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, (), None, eps)
+    outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, (), None, eps, stacked=stacked)
     return outs, lse
 
 
@@ -272,15 +276,58 @@ def merge_partial(
     query: Tensor,
     eps: float = 1e-6,
     kernel: str = "auto",
+    stacked: Tensor | None = None,
 ) -> Tensor:
     """Phase 2: extend a phase-1 result `acc` (..., D) with log-sum-exp `lse` (...) by more
     sources (e.g. the block's partial sum) under the same query (D,), as one softmax over all:
-    the online-softmax merge. `inv_rms`: (len(sources), ...) or None. Returns h (..., D)."""
+    the online-softmax merge. `inv_rms`: (len(sources), ...) or None. `stacked`: as for
+    `completed_attention`. Returns h (..., D)."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, acc)
     impl = _impl("torch" if kernel == "naive" else kernel)
-    outs, _, _ = impl.run_depth_attention(sources, inv_rms, query.unsqueeze(0), (acc,), lse.unsqueeze(0), eps)
+    if len(sources) == 1 and hasattr(impl, "merge_one"):  # e.g. Block AttnRes's partial sum: a few ops
+        return impl.merge_one(acc, lse, sources[0], query, eps)
+    outs, _, _ = impl.run_depth_attention(sources, inv_rms, query.unsqueeze(0), (acc,), lse.unsqueeze(0), eps,
+                                          stacked=stacked)
     return outs[0]
+
+
+class SourceStack:
+    """The completed sources of one two-phase pass, in order: the tensors (what autograd
+    differentiates), their key statistics (`key_inv_rms`, computed once each) and, on the
+    eager "torch" path, a copy of their values in one preallocated (capacity, ..., D) buffer,
+    so that each phase-1 or phase-2 call reads its n sources as one (n, ..., D) tensor: a
+    handful of operations per call whatever n, and no stacking copy. Under torch.compile, and
+    with the Triton kernels, there is no buffer (Inductor and the kernels read the list).
+
+    `take(a, b)` gives the arguments of sources a..b-1 for `completed_attention` /
+    `merge_partial`: (tensors, inv_rms (b - a, ...), stacked or None)."""
+
+    def __init__(self, first: Tensor, capacity: int, eps: float, kernel: str) -> None:
+        self.eps, self.kernel = eps, kernel
+        self.sources: list[Tensor] = []
+        self._inv_rms: list[Tensor] = []
+        eager = kernel == "torch" and not torch.compiler.is_compiling()
+        self._values = first.new_empty((capacity, *first.shape)) if eager else None
+        self.append(first)
+
+    def append(self, source: Tensor, statistics: bool = True) -> None:
+        """Add a completed source; `statistics=False` when nothing will attend to it (its key
+        statistic is then not computed)."""
+        if self._values is not None:
+            with torch.no_grad():
+                self._values[len(self.sources)].copy_(source)
+        self.sources.append(source)
+        if statistics:
+            self._inv_rms.append(key_inv_rms(source, self.eps, self.kernel))
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def take(self, a: int = 0, b: int | None = None) -> tuple[list[Tensor], Tensor, Tensor | None]:
+        b = len(self.sources) if b is None else b
+        stacked = None if self._values is None else self._values[a:b]
+        return self.sources[a:b], torch.stack(self._inv_rms[a:b]), stacked
 
 
 def full_attn_res(

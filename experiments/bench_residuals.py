@@ -18,6 +18,7 @@ of ratios to standard and, with --json PATH, writes every figure.
     python experiments/bench_residuals.py                  # GPU, GPT-small, eager + compiled
     python experiments/bench_residuals.py --quick          # CPU-sized (T 128, batch 2), eager, 1 thread
     python experiments/bench_residuals.py --quick --kernel naive   # the reference path ("before")
+    python experiments/bench_residuals.py --tiny --compile # the runner's default model, eager + compiled
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ GPT_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 1024, "batch
 # --quick keeps GPT-small's depth, width and vocabulary (what sets AttnRes's cost relative to
 # the rest of a step, per token) and shrinks only the tokens per step, to fit a CPU
 QUICK = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 128, "batch": 2, "vocab": 32768}
+# --tiny is the runner's default run (conf/model/tiny.yaml, conf/data/stdlib.yaml): 8 layers, D 96,
+# 4 heads, T 128, batch 16, bytes; there the cost is the number of small ops, not their arithmetic
+TINY = {"n_layer": 8, "n_embd": 96, "n_head": 4, "seq_len": 128, "batch": 16, "vocab": 256}
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help=f"CPU-sized shape ({QUICK}); compile off unless --compile")
+    p.add_argument("--tiny", action="store_true",
+                   help=f"the runner's default model and batch ({TINY}); CPU, 1 thread, compile off unless --compile")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write all figures here")
     p.add_argument("--steps", type=int, default=None, help="timed steps per strategy and mode (default 10, quick 8)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 2)")
@@ -77,19 +83,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"bytes/s of the op's floor (default: H200 {H200_BANDWIDTH:.1e} on CUDA, a copy on CPU)")
     p.add_argument("--op-only", action="store_true", help="only the op-vs-floor measurement")
     args = p.parse_args(argv)
-    shape = dict(QUICK if args.quick else GPT_SMALL)
+    if args.quick and args.tiny:
+        p.error("--quick and --tiny are two shapes: give one")
+    small = args.quick or args.tiny
+    shape = dict(TINY if args.tiny else QUICK if args.quick else GPT_SMALL)
     for key in shape:
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     args.shape = shape
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")]
-    args.steps = args.steps or (8 if args.quick else 10)
+    args.steps = args.steps or (8 if args.quick else 20 if args.tiny else 10)
     args.warmup = args.warmup or (2 if args.quick else 3)
-    args.modes = [m.strip() for m in (args.modes or ("eager" if args.quick else "eager,compiled")).split(",")]
+    args.modes = [m.strip() for m in (args.modes or ("eager" if small else "eager,compiled")).split(",")]
     if not set(args.modes) <= {"eager", "compiled"}:
         p.error(f"--modes takes eager and/or compiled, got {args.modes}")
-    if args.threads is None and args.quick and args.device.type == "cpu":
+    if args.threads is None and small and args.device.type == "cpu":
         args.threads = 1
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     return args

@@ -50,6 +50,7 @@ __all__ = [
     "depth_attention_forward",
     "fused_depth_attention",
     "inv_rms",
+    "merge_one",
     "run_depth_attention",
 ]
 
@@ -90,8 +91,28 @@ def _rows(v: Tensor, cd: torch.dtype) -> Tensor:
     return v.to(cd).reshape(-1, v.shape[-1])
 
 
+def _stacked(sources: Sequence[Tensor], stacked: Tensor | None, cd: torch.dtype) -> Tensor:
+    """The n sources as one (n, M, D) tensor in the compute dtype: `stacked` (their values,
+    stacked, as the strategies keep them) viewed so, or one source viewed so, or a stack."""
+    n, d = len(sources), sources[0].shape[-1]
+    if stacked is not None:
+        return stacked.to(cd).reshape(n, -1, d)
+    if n == 1:
+        return _rows(sources[0], cd).unsqueeze(0)
+    return torch.stack([_rows(v, cd) for v in sources])
+
+
+def _weighted_sum(V: Tensor, a: Tensor) -> Tensor:
+    """sum_i a[i] * V[i] for V (n, M, D) and per-token weights a (n, M): a new (M, D) tensor,
+    accumulated in place (one pass per source, no (n, M, D) temporary)."""
+    acc = V[0] * a[0].unsqueeze(-1)
+    for i in range(1, V.shape[0]):
+        acc.addcmul_(V[i], a[i].unsqueeze(-1))
+    return acc
+
+
 def depth_attention_forward(
-    sources: Sequence[Tensor],
+    V: Tensor,
     r_cache: Tensor | None,
     queries: Tensor,
     prefix_h: Sequence[Tensor],
@@ -99,47 +120,35 @@ def depth_attention_forward(
     eps: float,
     out_norm: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """No-grad forward. sources: n tensors (..., D); r_cache: (n, ...) inverse RMS or None;
-    queries: (K, D) gain-folded, compute dtype; prefix_h: [] or K tensors (..., D) whose
-    logit is prefix_lse (K, ...); out_norm: None, or (K == 1, no prefix) the (D,) weight of a
-    fused output RMSNorm, compute dtype. Returns (outs: K tensors (..., D) in the sources'
-    dtype, z (K, n, ...), lse (K, ...), r (n, ...), h, n): with out_norm, outs is [y] and h
-    the output before the norm, n (...) its inverse RMS; else both None. Statistics in the
-    compute dtype. Any leading shape: tokens are rows of the (M, D) views."""
-    dtype, cd = sources[0].dtype, queries.dtype
-    shape, K, n = sources[0].shape, queries.shape[0], len(sources)
-    vs = [_rows(v, cd) for v in sources]  # (M, D) each
-    r = r_cache if r_cache is not None else torch.stack([inv_rms(v, eps) for v in sources])  # (n, ...)
-    r = r.reshape(n, -1)  # (n, M)
-    # one (M, D) @ (D, K) product per source: the logits of all K queries in one read
-    z = torch.stack([v @ queries.T for v in vs]).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
+    """No-grad forward. V: the n sources stacked, (n, M, D) in the compute dtype; r_cache:
+    their inverse RMS (n, M) or None; queries: (K, D) gain-folded, compute dtype; prefix_h: []
+    or K tensors (M, D) whose logit is prefix_lse (K, M); out_norm: None, or (K == 1, no
+    prefix) the (D,) weight of a fused output RMSNorm, compute dtype. Returns (outs: K tensors
+    (M, D) in the compute dtype, z (K, n, M), lse (K, M), r (n, M), h, n): with out_norm, outs
+    is [y] and h the output before the norm, n (M,) its inverse RMS; else both None. Every
+    operation is over all n sources at once: a handful of ops per call, whatever n."""
+    K, n = queries.shape[0], V.shape[0]
+    r = r_cache.reshape(n, -1) if r_cache is not None else inv_rms(V, eps)  # (n, M)
+    # one (n M, D) @ (D, K) product: the logits of all K queries in one read of the sources
+    z = torch.matmul(V, queries.T).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
     zall = z if prefix_lse is None else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)  # (K, n', M)
     lse = torch.logsumexp(zall, dim=1)  # (K, M)
-    alpha = _weights(zall, lse).unsqueeze(-1)  # (K, n', M, 1)
-    values = [_rows(p, cd) for p in prefix_h] if prefix_h else None
+    alpha = _weights(zall, lse)  # (K, n', M)
     outs = []
     for k in range(K):  # K separate outputs: a sublayer keeping one for backward keeps only that one
-        a = alpha[k]
-        if values is not None:
-            acc = values[k] * a[0]
-            rest = zip(a[1:], vs, strict=True)
+        if prefix_lse is None:
+            outs.append(_weighted_sum(V, alpha[k]))
         else:
-            acc = vs[0] * a[0]
-            rest = zip(a[1:], vs[1:], strict=True)
-        for a_i, v in rest:
-            acc.addcmul_(v, a_i)
-        outs.append(acc.view(shape).to(dtype))
-    stat = shape[:-1]
+            outs.append(_weighted_sum(V, alpha[k, 1:]).addcmul_(prefix_h[k], alpha[k, 0].unsqueeze(-1)))
     h = h_inv_rms = None
-    if out_norm is not None:  # K == 1: y = h * n * w from the unrounded h, rounded once
-        h, h_inv_rms = outs[0], torch.rsqrt(acc.square().mean(dim=-1) + eps)  # (M,)
-        outs = [(acc * h_inv_rms.unsqueeze(-1) * out_norm).view(shape).to(dtype)]
-        h_inv_rms = h_inv_rms.view(stat)
-    return outs, z.view(K, n, *stat), lse.view(K, *stat), r.view(n, *stat), h, h_inv_rms
+    if out_norm is not None:  # K == 1: y = h * n * w from the unrounded h
+        h, h_inv_rms = outs[0], torch.rsqrt(outs[0].square().mean(dim=-1) + eps)  # (M,)
+        outs = [outs[0] * h_inv_rms.unsqueeze(-1) * out_norm]
+    return outs, z, lse, r, h, h_inv_rms
 
 
 def depth_attention_backward(
-    sources: Sequence[Tensor],
+    V: Tensor,
     r: Tensor,
     queries: Tensor,
     z: Tensor,
@@ -152,35 +161,31 @@ def depth_attention_backward(
     out_norm: Tensor | None = None,
     h: Tensor | None = None,
     h_inv_rms: Tensor | None = None,
-) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
-    """Gradients (d_sources, d_queries (K, D), d_prefix_h, d_prefix_lse, d_out_norm) of the
-    forward above. `outs` is only read when there is a prefix (then P_k = dO_k . out_k);
-    otherwise it may be empty and P_k = sum_i alpha_ki dO_k . v_i. With a fused output norm
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor | None, Tensor | None]:
+    """Gradients (dV (n, M, D), d_queries (K, D), d_prefix_h (K of (M, D)), d_prefix_lse (K, M),
+    d_out_norm), all in the compute dtype, of the forward above; shapes as there, d_outs (M, D)
+    or None. `outs` (M, D) are only read when there is a prefix (then P_k = dO_k . out_k);
+    otherwise they may be empty and P_k = sum_i alpha_ki dO_k . v_i. With a fused output norm
     (`out_norm`, and the forward's h and n), `d_outs` are the cotangents of y."""
-    dtype, cd = sources[0].dtype, queries.dtype
-    shape, K, n, d = sources[0].shape, queries.shape[0], len(sources), queries.shape[-1]
-    stat = shape[:-1]
+    cd = queries.dtype
+    K, n, d = queries.shape[0], V.shape[0], queries.shape[-1]
     has_prefix = prefix_lse is not None
-    z, lse, r = z.reshape(K, n, -1), lse.reshape(K, -1), r.reshape(n, -1)  # (K, n, M), (K, M), (n, M)
     zall = z if not has_prefix else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)
     alpha = _weights(zall, lse)  # (K, n', M)
     a_src = alpha[:, 1:] if has_prefix else alpha  # (K, n, M)
     m = lse.shape[-1]
-    d_o = [torch.zeros(m, d, dtype=cd, device=queries.device) if g is None else _rows(g, cd) for g in d_outs]
+    d_o = [torch.zeros(m, d, dtype=cd, device=queries.device) if g is None else g for g in d_outs]
     d_out_norm = None
     if out_norm is not None:  # from the cotangent of y = h * n * w to that of h (K == 1)
-        hh, hn = _rows(h, cd), h_inv_rms.reshape(-1, 1).to(cd)  # (M, D), (M, 1)
-        d_out_norm = (d_o[0] * hh * hn).sum(dim=0)
+        hn = h_inv_rms.reshape(-1, 1)  # (M, 1)
+        d_out_norm = (d_o[0] * h * hn).sum(dim=0)
         wdy = d_o[0] * out_norm
-        d_o[0] = wdy * hn - (hn.pow(3) / d) * torch.linalg.vecdot(wdy, hh).unsqueeze(-1) * hh
-    vs = [_rows(v, cd) for v in sources]
+        d_o[0] = wdy * hn - (hn.pow(3) / d) * torch.linalg.vecdot(wdy, h).unsqueeze(-1) * h
 
-    def dots(a: Tensor, b: Tensor) -> Tensor:  # per-token a . b, (M, D) x (M, D) -> (M,)
-        return torch.linalg.vecdot(a, b)  # CPU bmm/einsum loop over tokens here: 5-10x slower
-
-    g = torch.stack([torch.stack([dots(d_o[k], v) for v in vs]) for k in range(K)])  # (K, n, M): dO_k . v_i
+    # per token, dO_k . v_i for every source at once: (K, n, M)
+    g = torch.stack([torch.linalg.vecdot(V, d_o[k]) for k in range(K)])
     ag = (a_src * g).sum(dim=1)  # (K, M)
-    P = torch.stack([dots(d_o[k], _rows(o, cd)) for k, o in enumerate(outs)]) if has_prefix else ag
+    P = torch.stack([torch.linalg.vecdot(d_o[k], outs[k]) for k in range(K)]) if has_prefix else ag
     dz = a_src * (g - P.unsqueeze(1))
     if dlse is not None:
         dz = dz + a_src * dlse.reshape(K, 1, -1)
@@ -193,67 +198,91 @@ def depth_attention_backward(
         d_prefix_lse = P - ag - a_pre * P
         if dlse is not None:
             d_prefix_lse = d_prefix_lse + a_pre * dlse.reshape(K, -1)
-        d_prefix_lse = d_prefix_lse.view(K, *stat)
-        d_prefix_h = [(d_o[k] * a_pre[k].unsqueeze(-1)).view(shape).to(dtype) for k in range(K)]
+        d_prefix_h = [d_o[k] * a_pre[k].unsqueeze(-1) for k in range(K)]
     dzr = (dz * r.unsqueeze(0)).permute(1, 2, 0).contiguous()  # (n, M, K)
     c = (-(dz * z).sum(dim=0) * r.square() / d).unsqueeze(-1)  # (n, M, 1): the derivative through r_i
-    a_col = a_src.unsqueeze(-1)  # (K, n, M, 1)
-    d_sources = []
-    d_q = torch.zeros_like(queries)
-    for i, v in enumerate(vs):
-        dv = d_o[0] * a_col[0, i]
-        for k in range(1, K):
-            dv.addcmul_(d_o[k], a_col[k, i])
-        dv.addmm_(dzr[i], queries).addcmul_(v, c[i])  # in place: no copy of dv
-        d_sources.append(dv.view(shape).to(dtype))
-        d_q.addmm_(dzr[i].T, v)
-    return d_sources, d_q, d_prefix_h, d_prefix_lse, d_out_norm
+    # dv_i = sum_k alpha_ki dO_k + r_i sum_k dz_ki q_k + c_i v_i, for all sources at once
+    dV = a_src[0].unsqueeze(-1) * d_o[0]
+    for k in range(1, K):
+        dV.addcmul_(a_src[k].unsqueeze(-1), d_o[k])
+    flat = dV.view(-1, d)
+    flat.addmm_(dzr.view(-1, K), queries)
+    dV.addcmul_(V, c)
+    d_q = dzr.view(-1, K).T @ V.reshape(-1, d)  # (K, D)
+    return dV, d_q, d_prefix_h, d_prefix_lse, d_out_norm
 
 
 class _DepthAttention(torch.autograd.Function):
-    """Autograd around the core pair: saves the sources (references), r, z, lse and, with a
-    prefix, the outputs (the caller keeps them anyway: they are sublayer inputs); with a fused
-    output norm, its weight, h and n."""
+    """Autograd around the core pair. Saves r, z, lse, and with a prefix the outputs (the
+    caller keeps them anyway: they are sublayer inputs); with a fused output norm, its weight,
+    h and n. The sources: with `stacked` (their values, kept by the caller in a buffer it
+    only ever appends to) a reference to that; otherwise the sources themselves (references),
+    stacked again in the backward."""
 
     @staticmethod
-    def forward(eps, queries, r_cache, prefix_lse, out_norm, *tensors):  # tensors: sources, then K prefix_h or none
+    def forward(eps, queries, r_cache, prefix_lse, out_norm, stacked, *tensors):  # sources, then K prefix_h or none
         n = len(tensors) - (0 if prefix_lse is None else queries.shape[0])
         sources, prefix_h = tensors[:n], tensors[n:]
+        shape, dtype, cd = sources[0].shape, sources[0].dtype, queries.dtype
+        V = _stacked(sources, stacked, cd)
         outs, z, lse, r, h, h_inv_rms = depth_attention_forward(
-            sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm
+            V, r_cache, queries, [_rows(p, cd) for p in prefix_h], prefix_lse, eps, out_norm
         )
+        stat = shape[:-1]
+        outs = [o.view(shape).to(dtype) for o in outs]
         if h is None:  # autograd outputs are tensors: empty ones stand for "no output norm"
             h, h_inv_rms = z.new_empty(0), z.new_empty(0)
-        return (*outs, z, lse, r, h, h_inv_rms)
+        else:
+            h, h_inv_rms = h.view(shape).to(dtype), h_inv_rms.view(stat)
+        K = queries.shape[0]
+        return (*outs, z.view(K, n, *stat), lse.view(K, *stat), r.view(n, *stat), h, h_inv_rms)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        eps, queries, r_cache, prefix_lse, out_norm, *tensors = inputs
+        eps, queries, r_cache, prefix_lse, out_norm, stacked, *tensors = inputs
         *outs, z, lse, r, h, h_inv_rms = output
         ctx.has_prefix, ctx.K = prefix_lse is not None, queries.shape[0]
         ctx.n = n = len(tensors) - (ctx.K if ctx.has_prefix else 0)
         ctx.has_out_norm = out_norm is not None
+        ctx.shape, ctx.dtype = tensors[0].shape, tensors[0].dtype
         ctx.mark_non_differentiable(r, h, h_inv_rms)
         ctx.set_materialize_grads(False)
+        # the caller's buffer: held, not saved, since the caller appends to it in place after
+        # this call (rows this call reads are never written again)
+        ctx.stacked = stacked
+        sources = () if stacked is not None else tensors[:n]
         ctx.save_for_backward(
-            queries, r, z, lse, prefix_lse, out_norm, h, h_inv_rms, *tensors[:n], *(outs if ctx.has_prefix else ())
+            queries, r, z, lse, prefix_lse, out_norm, h, h_inv_rms, *sources, *(outs if ctx.has_prefix else ())
         )
 
     @staticmethod
     def backward(ctx, *grads):
-        K, n = ctx.K, ctx.n
+        K, n, shape, dtype = ctx.K, ctx.n, ctx.shape, ctx.dtype
         d_outs, dz_ext, dlse = grads[:K], grads[K], grads[K + 1]
         queries, r, z, lse, prefix_lse, out_norm, h, h_inv_rms, *rest = ctx.saved_tensors
-        sources, outs = rest[:n], rest[n:]
+        sources, outs = (rest[:n], rest[n:]) if ctx.stacked is None else (None, rest)
         n_prefix = K if ctx.has_prefix else 0
         if all(g is None for g in d_outs) and dz_ext is None and dlse is None:
-            return (None,) * (5 + n + n_prefix)
+            return (None,) * (6 + n + n_prefix)
+        cd = queries.dtype
+        V = _stacked(sources, None, cd) if sources is not None else ctx.stacked.to(cd).reshape(n, -1, shape[-1])
         if not ctx.has_out_norm:
             out_norm = h = h_inv_rms = None
-        d_src, d_q, d_pre_h, d_pre_lse, d_out_norm = depth_attention_backward(
-            sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse, out_norm, h, h_inv_rms
+        else:
+            h, h_inv_rms = _rows(h, cd), h_inv_rms.reshape(-1)
+        rows = [None if g is None else _rows(g, cd) for g in d_outs]
+        stat = (K, -1)
+        dV, d_q, d_pre_h, d_pre_lse, d_out_norm = depth_attention_backward(
+            V, r.reshape(n, -1), queries, z.reshape(K, n, -1), lse.reshape(stat), None if prefix_lse is None
+            else prefix_lse.reshape(stat), [_rows(o, cd) for o in outs], rows,
+            None if dz_ext is None else dz_ext.reshape(K, n, -1), None if dlse is None else dlse.reshape(stat),
+            out_norm, h, h_inv_rms,
         )
-        return (None, d_q, None, d_pre_lse, d_out_norm, *d_src, *d_pre_h)
+        d_src = [dv.view(shape).to(dtype) for dv in dV.unbind(0)]
+        d_pre_h = [g.view(shape).to(dtype) for g in d_pre_h]
+        if d_pre_lse is not None:
+            d_pre_lse = d_pre_lse.view(prefix_lse.shape)
+        return (None, d_q, None, d_pre_lse, d_out_norm, None, *d_src, *d_pre_h)
 
 
 def run_depth_attention(
@@ -264,19 +293,80 @@ def run_depth_attention(
     prefix_lse: Tensor | None = None,
     eps: float = 1e-6,
     out_norm: Tensor | None = None,
+    stacked: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h, prefix_lse and
     out_norm (r_cache is a cached function of the sources, see the module docstring).
-    `out_norm`: the (D,) weight of a fused output RMSNorm (one query, no prefix), or None."""
+    `out_norm`: the (D,) weight of a fused output RMSNorm (one query, no prefix), or None.
+    `stacked`: optionally the sources' values as one (n, ...) tensor (a view of a buffer the
+    caller appends completed sources to and never rewrites): then the op reads that, saves no
+    reference to the sources, and gives their gradients as views of one (n, ...) tensor."""
     if out_norm is not None and (queries.shape[0] != 1 or prefix_lse is not None):
         raise ValueError("a fused output norm takes one query and no prefix")
     tensors = (queries, *sources, *prefix_h) + tuple(t for t in (prefix_lse, out_norm) if t is not None)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         # nothing to differentiate (e.g. prefill): no autograd node, and no Dynamo tracing of one
-        outs, z, lse, *_ = depth_attention_forward(sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm)
-        return outs, z, lse
-    *outs, z, lse, _, _, _ = _DepthAttention.apply(eps, queries, r_cache, prefix_lse, out_norm, *sources, *prefix_h)
+        with torch.no_grad():
+            *outs, z, lse, _, _, _ = _DepthAttention.forward(eps, queries, r_cache, prefix_lse, out_norm, stacked,
+                                                             *sources, *prefix_h)
+        return list(outs), z, lse
+    *outs, z, lse, _, _, _ = _DepthAttention.apply(eps, queries, r_cache, prefix_lse, out_norm, stacked, *sources,
+                                                   *prefix_h)
     return outs, z, lse
+
+
+class _MergeOne(torch.autograd.Function):
+    """Phase 2 with one new source (Block AttnRes's partial sum): h = lerp(p, acc, w) with
+    w = sigmoid(lse - z_p) the weight of the phase-1 result, z_p = (p . q) r_p. The same math
+    as `run_depth_attention` with a prefix, in a few operations instead of a few hundred.
+    Saves p and h (references) and three (M,) statistics. Per token, for the cotangent dO:
+    dz = (1 - w) (dO . p - dO . h), d_lse = -dz, d_acc = w dO,
+    dp = (1 - w) dO + dz r_p q - (dz z_p) r_p^2 / D p, dq = sum over tokens of dz r_p p."""
+
+    @staticmethod
+    def forward(acc, lse, p, query, eps):
+        shape, dtype, cd = p.shape, p.dtype, query.dtype
+        pr, ar = _rows(p, cd), _rows(acc, cd)
+        r = inv_rms(pr, eps)  # (M,)
+        zp = torch.mv(pr, query).mul_(r)
+        w = torch.sigmoid(lse.reshape(-1).to(cd) - zp)  # (M,): the phase-1 result's share
+        h = torch.lerp(pr, ar, w.unsqueeze(-1))
+        return h.view(shape).to(dtype), r, zp, w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        acc, lse, p, query, eps = inputs
+        h, r, zp, w = output
+        ctx.mark_non_differentiable(r, zp, w)
+        ctx.set_materialize_grads(False)
+        ctx.lse_shape = lse.shape
+        ctx.save_for_backward(p, h, query, r, zp, w)
+
+    @staticmethod
+    def backward(ctx, dh, *_):
+        if dh is None:
+            return None, None, None, None, None
+        p, h, query, r, zp, w = ctx.saved_tensors
+        shape, dtype, cd, d = p.shape, p.dtype, query.dtype, p.shape[-1]
+        pr, hr, do = _rows(p, cd), _rows(h, cd), _rows(dh, cd)
+        a_p = 1.0 - w
+        dz = a_p * (torch.linalg.vecdot(do, pr) - torch.linalg.vecdot(do, hr))  # (M,)
+        dzr = dz * r
+        dp = do * a_p.unsqueeze(-1)
+        dp.addmm_(dzr.unsqueeze(-1), query.unsqueeze(0)).addcmul_(pr, (-(dz * zp) * r.square() / d).unsqueeze(-1))
+        d_acc = (do * w.unsqueeze(-1)).view(shape).to(dtype)
+        d_q = torch.mv(pr.T, dzr)
+        return d_acc, (-dz).view(ctx.lse_shape), dp.view(shape).to(dtype), d_q, None
+
+
+def merge_one(acc: Tensor, lse: Tensor, source: Tensor, query: Tensor, eps: float) -> Tensor:
+    """Phase 2 for one new source: `run_depth_attention([source], None, query[None], (acc,),
+    lse[None], eps)`'s output, differentiable with respect to acc, lse, source and query
+    (gain-folded, compute dtype)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (acc, lse, source, query)):
+        return _MergeOne.apply(acc, lse, source, query, eps)[0]
+    with torch.no_grad():
+        return _MergeOne.forward(acc, lse, source, query, eps)[0]
 
 
 def fold_queries(pseudo_query: Tensor, norm_weight: Tensor | None, dtype: torch.dtype) -> Tensor:

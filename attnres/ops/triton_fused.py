@@ -520,11 +520,14 @@ def run_depth_attention(
     prefix_lse: Tensor | None = None,
     eps: float = 1e-6,
     out_norm: Tensor | None = None,
+    stacked: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h, prefix_lse and
     out_norm (r_cache is a cached function of the sources, see torch_fused.py). `out_norm`: the
     (D,) weight of the output RMSNorm fused into the kernels (one query, no prefix), or None;
-    h, the output before it, is written only when a gradient may be asked for."""
+    h, the output before it, is written only when a gradient may be asked for. `stacked` (the
+    sources' values in one tensor) is accepted for torch_fused.py's signature and not used:
+    the kernels read the sources where they are."""
     if out_norm is not None and (queries.shape[0] != 1 or prefix_lse is not None):
         raise ValueError("a fused output norm takes one query and no prefix")
     r_cache = None if r_cache is None else r_cache.detach()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnres.functional import KERNELS, completed_attention, depth_attention, fold_queries, resolve_kernel
+from attnres.functional import KERNELS, SourceStack, completed_attention, depth_attention, fold_queries, resolve_kernel
 from attnres.residual.ablations import DEFAULTS, ablated_mix, check_ablations, options_repr
 
 Sublayer = Callable[..., Tensor]
@@ -293,11 +293,12 @@ class DepthAttentionResidual(ResidualStrategy):
         """All L + 1 queries with the key-norm gains folded in, (L + 1, D), statistics dtype."""
         return fold_queries(self.pseudo_query, self.key_norm_weight, like.dtype)
 
-    def fast_output(self, sources: Sequence[Tensor], inv_rms: Sequence[Tensor], queries: Tensor, kernel: str) -> Tensor:
-        """The output aggregation over `sources` whose key statistics `inv_rms` are known."""
+    def fast_output(self, sources: SourceStack, queries: Tensor, kernel: str) -> Tensor:
+        """The output aggregation over all of `sources` (their key statistics known)."""
         if not self.output_aggregation:
-            return _plain_sum(sources)
-        outs, _ = completed_attention(sources, torch.stack(list(inv_rms)), queries[self.num_layers :], self.eps, kernel)
+            return _plain_sum(sources.sources)
+        done, done_rms, stacked = sources.take()
+        outs, _ = completed_attention(done, done_rms, queries[self.num_layers :], self.eps, kernel, stacked)
         return outs[0]
 
     def extra_repr(self) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnres.functional import completed_attention, key_inv_rms, merge_partial
+from attnres.functional import SourceStack, completed_attention, merge_partial
 from attnres.residual.base import DepthAttentionResidual, Sublayer
 
 
@@ -149,10 +149,11 @@ class BlockAttentionResidual(DepthAttentionResidual):
     ) -> Tensor:
         eps = self.eps
         queries = self.fast_queries(embedding)  # (L + 1, D)
-        blocks, inv_rms = [embedding], [key_inv_rms(embedding, eps, kernel)]  # completed blocks, (B, T) each
+        blocks = SourceStack(embedding, self.num_blocks + 1, eps, kernel)  # completed blocks
         for start, S in zip(self._starts, self.block_sizes, strict=True):
             # phase 1: the S queries of this block against all completed blocks, one pass
-            accs, lse = completed_attention(blocks, torch.stack(inv_rms), queries[start : start + S], eps, kernel)
+            done, done_rms, stacked = blocks.take()
+            accs, lse = completed_attention(done, done_rms, queries[start : start + S], eps, kernel, stacked)
             partial: Tensor | None = None
             for i in range(S):
                 index = start + i
@@ -162,10 +163,8 @@ class BlockAttentionResidual(DepthAttentionResidual):
                     h = merge_partial(accs[i], lse[i], [partial], None, queries[index], eps, kernel)
                 out = self.call_sublayer(index, sublayers[index], h, sublayer_kwargs)
                 partial = out if partial is None else partial + out
-            blocks.append(partial)
-            if start + S < self.num_layers or self.output_aggregation:
-                inv_rms.append(key_inv_rms(partial, eps, kernel))
-        return self.fast_output(blocks, inv_rms, queries, kernel)
+            blocks.append(partial, statistics=start + S < self.num_layers or self.output_aggregation)
+        return self.fast_output(blocks, queries, kernel)
 
     def depth_layout(self) -> tuple[str, list[str], str]:
         cols = ["emb", *(f"block {n}" for n in range(1, self.num_blocks + 1))]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnres.functional import completed_attention, key_inv_rms, merge_partial
+from attnres.functional import SourceStack, completed_attention, merge_partial
 from attnres.labels import sublayer_label
 from attnres.residual.ablations import check_window
 from attnres.residual.base import DepthAttentionResidual, Sublayer
@@ -99,22 +99,21 @@ class FullAttentionResidual(DepthAttentionResidual):
     ) -> Tensor:
         L, C, eps = self.num_layers, self.chunk, self.eps
         queries = self.fast_queries(embedding)  # (L + 1, D)
-        sources, inv_rms = [embedding], [key_inv_rms(embedding, eps, kernel)]  # (B, T, D) and (B, T) each
+        sources = SourceStack(embedding, L + 1, eps, kernel)  # the embedding, then every output
         for index, sublayer in enumerate(sublayers):
             j = index % C
             start = index - j
             if j == 0:  # phase 1: this chunk's queries against all sources so far
                 chunk_queries = queries[start : min(start + C, L)]
-                accs, lse = completed_attention(sources, torch.stack(inv_rms), chunk_queries, eps, kernel)
+                done, done_rms, stacked = sources.take()
+                accs, lse = completed_attention(done, done_rms, chunk_queries, eps, kernel, stacked)
                 h = accs[0]
             else:  # phase 2: merge the j sources added since the chunk began
-                newer = slice(start + 1, index + 1)
-                newer_rms = torch.stack(inv_rms[newer])
-                h = merge_partial(accs[j], lse[j], sources[newer], newer_rms, queries[index], eps, kernel)
-            sources.append(self.call_sublayer(index, sublayer, h, sublayer_kwargs))
-            if index + 1 < L or self.output_aggregation:
-                inv_rms.append(key_inv_rms(sources[-1], eps, kernel))
-        return self.fast_output(sources, inv_rms, queries, kernel)
+                newer, newer_rms, stacked = sources.take(start + 1, index + 1)
+                h = merge_partial(accs[j], lse[j], newer, newer_rms, queries[index], eps, kernel, stacked)
+            out = self.call_sublayer(index, sublayer, h, sublayer_kwargs)
+            sources.append(out, statistics=index + 1 < L or self.output_aggregation)
+        return self.fast_output(sources, queries, kernel)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.window is None else f", window={self.window}")
