@@ -303,6 +303,41 @@ def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached,
     assert_close(rel_err, grads, ref_grads, tol, "grad")
 
 
+@pytest.mark.parametrize("n,K,extra", [(1, 2, 1), (4, 2, 1), (3, 3, 2), (5, 1, 3)],
+                         ids=["n1-K2-merge1", "n4-K2-merge1", "n3-K3-merge2", "n5-K1-merge3"])
+def test_two_phase_reads_a_source_stack_as_the_list(n, K, extra, rel_err, ref_depth_attention):
+    """The strategies' way in (`SourceStack`: values copied into one buffer, read as one
+    (n, ...) tensor by both phases) gives what the list of sources gives, forward and every
+    gradient, against the float64 reference; the buffer holds copies, so gradients still
+    reach the source tensors, and it is never differentiated itself."""
+    from attnres.functional import SourceStack
+
+    eps, D, lead = 1e-6, 16, (2, 3)
+    srcs, _, _ = sources_and_params(n + extra, 0, 0, D, torch.float64, "cpu", seed=11 * n + K, lead=lead)
+    gen = torch.Generator().manual_seed(K)
+    Q = (torch.randn(K, D, generator=gen, dtype=torch.float64) * 2 / D**0.5).requires_grad_()
+    G = (1 + 0.5 * torch.randn(K, D, generator=gen, dtype=torch.float64)).requires_grad_()
+    queries = fold_queries(Q, G, torch.float64)
+    stack = SourceStack(srcs[0], n + extra, eps, "torch")
+    for v in srcs[1:]:
+        stack.append(v)
+    done, r_done, stacked = stack.take(0, n)
+    assert stacked is not None and stacked.shape == (n, *lead, D) and not stacked.requires_grad
+    assert torch.equal(stacked, torch.stack(srcs[:n]).detach()) and done == srcs[:n]
+    accs, lse = completed_attention(done, r_done, queries, eps, "torch", stacked)
+    newer, r_new, newer_stacked = stack.take(n, n + extra)
+    hs = [merge_partial(accs[k], lse[k], newer, r_new, queries[k], eps, "torch", newer_stacked) for k in range(K)]
+    outputs = [*hs, *accs, lse]
+    cot = cotangents_for(outputs, seed=n)
+    inputs = [*srcs, Q, G]
+    grads = grads_of(outputs, cot, inputs)
+    ref_inputs = upcast(inputs)
+    ref_outputs = ref_two_phase(ref_depth_attention, ref_inputs[: n + extra], n, ref_inputs[-2], ref_inputs[-1], eps)
+    ref_grads = grads_of(ref_outputs, cot, ref_inputs)
+    assert_close(rel_err, outputs, ref_outputs, TOL[torch.float64], "forward")
+    assert_close(rel_err, grads, ref_grads, TOL[torch.float64], "grad")
+
+
 def ref_two_phase(ref_depth_attention, srcs, n, Q, G, eps):
     """float64 reference of the two-phase outputs: K results over all sources, K over the first
     n, and the (K, B, T) log-sum-exp of the logits over the first n."""

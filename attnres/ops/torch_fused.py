@@ -2,17 +2,24 @@
 
 Same math as `naive.py` (DESIGN.md section 2), organised for speed and memory:
 
-- the sources stay a list: never stacked, never normalised into a copy. Per token and
+- the core works on the n sources as one (n, M, D) tensor, so that a call is a handful of
+  operations whatever n (on a small model, the fixed cost of each operation, forward and
+  backward, is most of AttnRes's cost). The strategies keep their completed sources in a
+  buffer they only append to (`attnres.functional.SourceStack`) and pass it as `stacked`:
+  nothing is stacked per call. Sources are never normalised into a copy: per token and
   source only two statistics exist, the inverse RMS r_i = 1 / sqrt(mean(v_i^2) + eps) and
   the logit z_i = (v_i . q) * r_i (the key-norm gain is folded into the query q);
-- one custom autograd function saves only those statistics (float32 for half inputs) and
-  references to the sources it already holds, and recomputes the rest in its backward;
+- one custom autograd function saves only those statistics (float32 for half inputs) and a
+  reference to the sources (the caller's buffer, or the source tensors it already holds),
+  and recomputes the rest in its backward;
 - K queries can be served at once (phase 1 of two-phase Block AttnRes: the sublayers of a
   block against all completed blocks), and an already-aggregated source can be merged in as
-  a "prefix" with a known logit (phase 2: the sublayer's own partial sum, online softmax).
+  a "prefix" with a known logit (phase 2: the sublayer's own partial sum, online softmax;
+  one new source takes `merge_one`, a lerp with a sigmoid weight, in a few operations).
 
 The core `depth_attention_forward` / `depth_attention_backward` pair is what the Triton
-kernels of `triton_fused.py` implement too (same arguments, same saved statistics).
+kernels of `triton_fused.py` implement too (the same math and saved statistics; the kernels
+take the sources as a list).
 Per-token math of the backward, for cotangents dO_k of the outputs, dz_ext of the logits
 and dlse_k of the log-sum-exp (alpha = softmax over sources, P_k = dO_k . out_k):
 
