@@ -16,6 +16,11 @@ sublayer (row) l and each of its sources i, only row l changes:
   the evaluation set (taken from the intact model at row l), one constant vector; its logit
   is recomputed from that vector. It removes what i says about each token, not its presence.
 
+Under the ablation options the removal means the same: the source leaves every head's softmax
+(`heads`), the sum that normalises sigmoid scores (`scoring="sigmoid"`) or the softmax over
+static logits (`mixing="static"`); with `query="input"` the query reads the newest source that
+remains.
+
 A row with a single source (the first sublayer: the embedding) has nothing to knock out: its
 cells are NaN in the matrix, and asking for it (`source_knockout`) is refused. DenseFormer,
 HC and mHC record |c| / sum |c| of signed linear coefficients: they are not weights the model

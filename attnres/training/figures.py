@@ -383,7 +383,7 @@ def routing_figure(
     decades = [10.0**k for k in range(math.ceil(math.log10(linear)), math.floor(math.log10(limit)) + 1)]
     bar = fig.colorbar(image_e, cax=cax, ticks=[*(-d for d in reversed(decades)), 0.0, *decades])
     bar.ax.set_yticklabels([f"{-d:g}" for d in reversed(decades)] + ["0"] + [f"+{d:g}" for d in decades])
-    bar.set_label(f"loss(knocked out) - loss (nats); linear within \u00b1{linear:.1g}, log beyond", fontsize=8)
+    bar.set_label(f"loss(knocked out) - loss (nats)\nlinear within \u00b1{linear:.1g}, log beyond", fontsize=7)
     bar.ax.tick_params(labelsize=7)
     ax_r = fig.add_axes((x_rank / width, y0, rank_w / width, h), sharey=ax_m)
     rank = np.full(R, np.nan) if rank is None else np.asarray(rank, dtype=np.float64)
