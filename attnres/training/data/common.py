@@ -97,6 +97,7 @@ class StreamDataModule(pl.LightningDataModule):
                               "optimiser step, all devices) or null for one micro-batch per device")
         self.block_size, self.batch_size, self.num_workers = block_size, batch_size, num_workers
         self.seed, self.val_batches, self.tokens_per_step = seed, val_batches, tokens_per_step
+        self.accumulation(world_size=1)  # now, before a run starts; the device count is checked at fit
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimiser step that make `tokens_per_step` (1 when it is not set)."""

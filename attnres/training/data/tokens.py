@@ -296,7 +296,7 @@ class TokensDataModule(StreamDataModule):
                         "reported (val/loss only, nats per token)", self.path)
         self.train_shards: list[Shard] | None = None
         self.val_shards: list[Shard] | None = None
-        self.list_files()  # fail now, before the model is built, if nothing matches
+        self.setup()  # fail now, before the model, the trainer or its logger exist, on a bad file
 
     # -- what the folder holds ----------------------------------------------------------------
     def _read_meta(self) -> dict:
