@@ -174,3 +174,31 @@ def test_command_line_exit_status(tmp_path):
                         capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "data=tokens data.path=" in ok.stdout
+
+
+def _train(tmp_path: Path, name: str, *args: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    run = subprocess.run([sys.executable, "-m", "attnres", *args, "model.n_layer=2", "model.n_embd=64",
+                          "model.n_head=2", "data.batch_size=16", "trainer.max_steps=150",
+                          "trainer.val_check_interval=150", "trainer.accelerator=cpu", "logger=none",
+                          "trainer.enable_progress_bar=false", f"hydra.run.dir={name}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((tmp_path / name / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+def test_stdlib_bpe_bits_per_byte_match_the_byte_level_run(tmp_path):
+    """The same stdlib files, the same split, the same bytes seen and scored: a 1,024-token BPE run's
+    val/bpb lands near the byte-level run's (a per-token normalisation would be off by ~2.5x)."""
+    files = 150
+    meta = run("stdlib", tmp_path / "tok", vocab_size=1024, workers=2, max_files=files, val_fraction=0.05)
+    train_bpt, val_bpt = meta["bytes_per_token"]["train"], meta["bytes_per_token"]["val"]
+    block = round(128 / train_bpt)  # bytes seen per step as the byte run's 16 x 128
+    byte_run = _train(tmp_path, "bytes", "data=stdlib", f"data.max_files={files}", "data.block_size=128",
+                      f"data.cache_dir={tmp_path / 'cache'}")
+    token_run = _train(tmp_path, "tokens", "data=tokens", f"data.path={tmp_path / 'tok'}", f"data.block_size={block}",
+                       f"data.val_tokens={round(16 * 16 * 128 / val_bpt)}")  # the byte run's 32,768 scored bytes
+    ratio = token_run["metrics"]["val/bpb"] / byte_run["metrics"]["val/bpb"]
+    assert 0.8 < ratio < 1.2, (ratio, byte_run["metrics"], token_run["metrics"])
