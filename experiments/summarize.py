@@ -3,8 +3,9 @@
     python experiments/summarize.py multirun/<name>
     python experiments/summarize.py multirun/a multirun/b --out multirun/ab   # several sweeps as one
 
-Useful after a SLURM sweep (whose launcher does not write the summary), after editing runs, or
-to pair runs that several sweeps made (a baseline sweep and the sweeps of its variants).
+Useful after editing runs, after a sweep whose own process died before its end, or to pair runs
+that several sweeps made (a baseline sweep and the sweeps of its variants). The counts name each
+status as the summary does ("timed out", "cancelled", ...); exit status 0, or 2 for a bad folder.
 """
 
 from __future__ import annotations

@@ -1,10 +1,22 @@
 """Hydra finds launchers only under the `hydra_plugins` namespace package, by the module the
 class is defined in: the wheel maps this file to `hydra_plugins/attnres_launcher/__init__.py`
 (see pyproject.toml), so that `hydra/launcher=parallel` can name
-`hydra_plugins.attnres_launcher.ParallelLauncher`. The code is in attnres.training.sweep."""
+`hydra_plugins.attnres_launcher.ParallelLauncher` (and `hydra/launcher=slurm`
+`hydra_plugins.attnres_launcher.SlurmLauncher`). The code is in attnres.training.sweep and
+attnres.training.slurm (which needs the `slurm` extra: hydra-submitit-launcher)."""
 
 from attnres.training import sweep
 
 
 class ParallelLauncher(sweep.ParallelLauncher):
     __doc__ = sweep.ParallelLauncher.__doc__
+
+
+try:
+    from attnres.training import slurm
+except ImportError:  # no hydra-submitit-launcher: hydra/launcher=slurm says so when chosen
+    pass
+else:
+
+    class SlurmLauncher(slurm.SlurmLauncher):
+        __doc__ = slurm.SlurmLauncher.__doc__

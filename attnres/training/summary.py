@@ -33,8 +33,11 @@ NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "
 #: the residual strategy's own keys: a baseline differs from its candidates in these only
 STRATEGY_KEYS = ("residual", "num_blocks")
 #: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed
-#: before it could say); "duplicate": the same run as another job of the sweep, not run again
-STATUS_ORDER = ("finished", "failed", "interrupted", "unfinished", "duplicate")
+#: before it could say); "duplicate": the same run as another job of the sweep, not run again;
+#: under SLURM (slurm.py) a job that ended without saying how: "cancelled" (also before it ran),
+#: "preempted", "timed out", "lost" (a node failure, or no record of how it ended)
+STATUS_ORDER = ("finished", "failed", "interrupted", "cancelled", "preempted", "timed out", "lost", "unfinished",
+                "duplicate")
 #: the keys that do not name a run folder (conf/config.yaml: hydra.job.config.override_dirname)
 DEFAULT_EXCLUDED = ("name", "resume", "ckpt_path", "overwrite", "trainer.enable_progress_bar", "data.num_workers")
 _NEXT_OVERRIDE = re.compile(r",(?=[+~]{0,2}[A-Za-z_][\w.\-/@]*=)")
@@ -152,7 +155,9 @@ def short_names(names: list[str]) -> dict[str, str]:
 
 
 def status_counts(statuses: list[str]) -> Counter:
-    return Counter(str(s).split(" ")[0] for s in statuses)
+    """How many jobs ended each way; "duplicate of <job>" counts as "duplicate", every other status
+    as it is written ("timed out", "not finished")."""
+    return Counter("duplicate" if str(s).startswith("duplicate of ") else str(s) for s in statuses)
 
 
 def format_counts(counts: Counter) -> str:

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -340,6 +340,10 @@ def job_process() -> None:
     """The start of a sweep job's own process: it gets SIGTERM when its worker dies, then it is
     `attnres-run --run-job SPEC` (sys.argv[1:])."""
     _die_with_parent(signal.SIGTERM)
+    from attnres.training import slurm
+
+    if slurm.in_slurm_job():  # SLURM's warning before a preemption or its time limit: checkpoint and exit
+        slurm.forward_preemption()
     parent = os.environ.pop(PARENT_ENV, "")
     if parent.isdigit() and os.getppid() != int(parent):  # the worker died before the line above
         sys.exit(128 + signal.SIGTERM)
@@ -382,6 +386,43 @@ def no_jobs_error(config: DictConfig) -> ConfigError:
     )
 
 
+# -- the jobs a sweep runs (every launcher) ----------------------------------------------------------
+def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: Path,
+              check: Callable[[list[Any]], None] | None = None) -> list[tuple[list[str], Any]]:
+    """The jobs of the sweep that must run, as (overrides, composed config): duplicates and (with
+    `resume=true`) finished jobs are left out and recorded in `<sweep_dir>/jobs.json`. Raises
+    ConfigError, touching nothing, when a job would replace a run without resume/overwrite, or
+    when `check` (given the configs to run, before anything is recorded) raises it."""
+    to_run, notes, first_by_key, jobs, held = [], {}, {}, {}, []
+    for overrides in job_overrides:
+        config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+        run_dir = sweep_dir / str(config.hydra.sweep.subdir)
+        name = run_dir.relative_to(sweep_dir).as_posix()
+        key = effective_key(config)
+        if key in first_by_key:
+            notes[name] = {"status": "duplicate", "same_as": first_by_key[key], "overrides": list(overrides)}
+            jobs[name] = first_by_key[key]
+            continue
+        first_by_key[key], jobs[name] = name, None
+        if config.get("resume") and read_status(run_dir) == "finished":
+            notes[name] = {"status": "finished", "skipped": True}
+            continue
+        if holds_run(run_dir) and not (config.get("resume") or config.get("overwrite") or config.get("ckpt_path")):
+            held.append(name)
+        to_run.append((list(overrides), config))
+    if held:  # refuse them all, touching none: not one finished run is rewritten as failed
+        raise ConfigError(
+            f"{len(held)} of the sweep's {len(job_overrides)} jobs already hold a run in {sweep_dir} "
+            f"(first: {held[0]}); pass resume=true to skip the finished ones and continue the others, "
+            "overwrite=true to start them all again, or name=<new name> for a new sweep folder"
+        )
+    if check is not None:
+        check([config for _, config in to_run])
+    write_json(sweep_dir / "jobs.json", notes)
+    _sweep_jobs[_key(sweep_dir)] = jobs
+    return to_run
+
+
 # -- the launcher --------------------------------------------------------------------------------
 class ParallelLauncher(JoblibLauncher):
     """Hydra's joblib launcher, with device slots, dedup, resume and a sweep summary."""
@@ -416,31 +457,7 @@ class ParallelLauncher(JoblibLauncher):
         # the orphans of a sweep that died (a resumed sweep's previous run) end before any job starts
         reap_stale_slots(self.lock_dir, self.stop_grace_s, wait_s=self.stop_grace_s + 10)
 
-        to_run, notes, first_by_key, jobs, held = [], {}, {}, {}, []
-        for overrides in job_overrides:
-            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            run_dir = sweep_dir / str(config.hydra.sweep.subdir)
-            name = run_dir.relative_to(sweep_dir).as_posix()
-            key = effective_key(config)
-            if key in first_by_key:
-                notes[name] = {"status": "duplicate", "same_as": first_by_key[key], "overrides": list(overrides)}
-                jobs[name] = first_by_key[key]
-                continue
-            first_by_key[key], jobs[name] = name, None
-            if config.get("resume") and read_status(run_dir) == "finished":
-                notes[name] = {"status": "finished", "skipped": True}
-                continue
-            if holds_run(run_dir) and not (config.get("resume") or config.get("overwrite") or config.get("ckpt_path")):
-                held.append(name)
-            to_run.append(list(overrides))
-        if held:  # refuse them all, touching none: not one finished run is rewritten as failed
-            raise ConfigError(
-                f"{len(held)} of the sweep's {len(job_overrides)} jobs already hold a run in {sweep_dir} "
-                f"(first: {held[0]}); pass resume=true to skip the finished ones and continue the others, "
-                "overwrite=true to start them all again, or name=<new name> for a new sweep folder"
-            )
-        write_json(sweep_dir / "jobs.json", notes)
-        _sweep_jobs[_key(sweep_dir)] = jobs
+        to_run = [list(o) for o, _ in plan_jobs(self, job_overrides, sweep_dir)]
         skipped = len(job_overrides) - len(to_run)
         log.info(
             f"{len(job_overrides)} jobs: {len(to_run)} to run, {skipped} skipped (duplicate or finished); "
@@ -498,6 +515,10 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     """
     global _child
     slot = None
+    from attnres.training import slurm
+
+    if slurm.in_slurm_job() and not slurm.continue_own_run(cfg, run_dir):
+        return  # a requeue of a job whose run has finished
     if SLOTS_ENV in os.environ:
         slot = claim_slot(Path(os.environ.get("ATTNRES_LOCK_DIR", default_lock_dir())))[0]
     else:  # the basic launcher runs the jobs in the sweep process: count them for exit_status
@@ -512,6 +533,9 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
                    CUDA_VISIBLE_DEVICES=slot.device if slot.device is not None and not slot.simulated else "")
         job_info.update(slot=slot.name, threads=slot.threads, simulated_gpu=slot.simulated,
                         device=f"cuda:{slot.device}" if slot.device is not None and not slot.simulated else "cpu")
+    elif slurm.in_slurm_job() and slurm.job_threads():  # the CPUs SLURM gave the job, not the node's
+        env["OMP_NUM_THREADS"] = str(slurm.job_threads())
+        job_info.update(threads=slurm.job_threads(), slurm_job=slurm.current_job_id())
     spec_path = run_dir / ".hydra" / "job.json"
     write_json(spec_path, {"config": OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir),
                            "info": job_info})
@@ -520,12 +544,16 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     log.info(f"{name} on {where} -> {run_dir}")
     start = end = time.time()
     _recorded.clear()
+    # under SLURM the training process starts deaf to the preemption signals until it has its own
+    # handlers (slurm.forward_preemption): SLURM signals every process of the job
+    deaf = slurm.deaf_to_preemption() if slurm.in_slurm_job() else contextlib.nullcontext()
     try:
         with open(run_dir / "train.log", "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", JOB_PROCESS, "--run-job", str(spec_path)], stdout=out,
-                stderr=subprocess.STDOUT, env=env, pass_fds=(_claimed[1],) if slot is not None and _claimed else (),
-            )
+            with deaf:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", JOB_PROCESS, "--run-job", str(spec_path)], stdout=out,
+                    stderr=subprocess.STDOUT, env=env, pass_fds=(_claimed[1],) if slot is not None and _claimed else (),
+                )
             _child = proc
             if slot is not None and _claimed:  # a stale-lock check can then find the job process too
                 _slot_info.update(child=proc.pid, child_start=process_start(proc.pid), run_dir=str(run_dir))
