@@ -193,7 +193,7 @@ def test_stdlib_bpe_bits_per_byte_match_the_byte_level_run(tmp_path):
     """The same stdlib files, the same split, the same bytes seen and scored: a 1,024-token BPE run's
     val/bpb is on the byte-level run's scale. Measured (2 cores): 0.78x at these 150 steps of a 2 x 64
     model (BPE learns faster per byte early), 0.88x after 400 steps of the 8 x 96 tiny model; bits per
-    token over bytes per token would read ~2.2x here, a per-character count ~0.97x of the truth."""
+    token over bytes per token would read ~2.2x here."""
     files = 150
     meta = run("stdlib", tmp_path / "tok", vocab_size=1024, workers=2, max_files=files, val_fraction=0.05)
     train_bpt, val_bpt = meta["bytes_per_token"]["train"], meta["bytes_per_token"]["val"]
