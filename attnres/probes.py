@@ -290,6 +290,20 @@ class RoutingProbe:
         return None if self.mass is None or self.source_effect is None else top_agreement(self.mass,
                                                                                          self.source_effect)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingProbe:
+        """The probe `to_dict` (or probes.json, where NaN is null) describes."""
+        def arr(a: Any) -> np.ndarray | None:
+            return None if a is None else np.array([[np.nan if v is None else v for v in row] for row in a]
+                                                    if a and isinstance(a[0], list) else
+                                                    [np.nan if v is None else v for v in a], dtype=np.float64)
+
+        return cls(strategy=data["strategy"], num_layers=data["num_layers"], mode=data["mode"],
+                   clean_loss=data["clean_loss"], tokens=data["tokens"], batches=data["batches"], rows=data["rows"],
+                   row_labels=data["row_labels"], col_labels=data["col_labels"], sources=data["sources"],
+                   mass=arr(data["mass"]), source_effect=arr(data["source_effect"]),
+                   layer_effect=arr(data["layer_effect"]), seconds=data.get("seconds", {}))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain lists and numbers (NaN stays NaN: `attnres.training.io.write_json` makes it null)."""
         def arr(a: np.ndarray | None) -> Any:

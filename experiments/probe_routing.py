@@ -22,6 +22,10 @@ Given a folder holding several runs, the knock-out heatmaps share one colour sca
 colours compare), and `plots/compare_layer_knockout.png` overlays the runs' layer knock-out
 curves, coloured by strategy (runs of the same depth).
 
+`--reuse` takes a run's `probes.json` instead of probing again when it is newer than the
+checkpoint and was measured with the same --batches, --mode and --ckpt (to redraw, or to add
+runs to a sweep's comparison without probing the others again).
+
 Exit status: 0 when every run was probed, 1 when some were skipped (said why, one line
 each), 2 for a bad command line or a folder without runs.
 """
@@ -96,6 +100,27 @@ def replace_events(run: Path) -> Any:
     return SummaryWriter(str(run), filename_suffix=EVENTS_SUFFIX)
 
 
+def requested(args: argparse.Namespace) -> dict[str, bool]:
+    return {"sources": not args.no_sources, "layers": not args.no_layers}
+
+
+def reusable(run: Path, args: argparse.Namespace) -> tuple[Any, int] | None:
+    """(probe, step) from the run's probes.json when --reuse may take it, else None."""
+    from attnres.probes import RoutingProbe
+    from attnres.training.callbacks import PROBE_JSON
+    from attnres.training.io import read_json
+
+    saved = read_json(run / PROBE_JSON)
+    try:
+        ckpt = checkpoint_path(run, args.ckpt)
+        fresh = (run / PROBE_JSON).stat().st_mtime > ckpt.stat().st_mtime
+        same = ((saved["batches"], saved["mode"], saved.get("checkpoint"), saved.get("requested"))
+                == (args.batches, args.mode, args.ckpt, requested(args)))
+        return (RoutingProbe.from_dict(saved), int(saved["step"])) if fresh and same else None
+    except (OSError, KeyError, TypeError, ValueError, SkipRun):
+        return None
+
+
 def probe_run(run: Path, args: argparse.Namespace) -> tuple[Any, int]:
     import torch
 
@@ -126,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16", action="store_true", help="on CUDA, run under bf16 autocast")
     parser.add_argument("--no-sources", action="store_true", help="skip the source knock-outs")
     parser.add_argument("--no-layers", action="store_true", help="skip the layer knock-outs")
+    parser.add_argument("--reuse", action="store_true",
+                        help="use a run's probes.json when it is newer than the checkpoint and has the same settings")
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
@@ -155,20 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[Path, tuple[Any, int]] = {}
     for run in runs:
         start = time.perf_counter()
+        kept = reusable(run, args) if args.reuse else None
         try:
-            results[run] = probe_run(run, args)
+            results[run] = kept or probe_run(run, args)
         except SkipRun as why:
             print(f"{run}: skipped: {why}", file=sys.stderr)
             continue
         probe = results[run][0]
-        print(f"{run}: {probe.strategy}, clean loss {probe.clean_loss:.4f} on {probe.tokens} tokens, "
-              f"{time.perf_counter() - start:.1f} s")
+        how = "from its probes.json" if kept else f"{time.perf_counter() - start:.1f} s"
+        print(f"{run}: {probe.strategy}, clean loss {probe.clean_loss:.4f} on {probe.tokens} tokens, {how}")
     # one colour scale for every knock-out heatmap of the folder
     effects = [np.abs(p.source_effect[np.isfinite(p.source_effect)]) for p, _ in results.values()
                if p.source_effect is not None]
     effects = [e for e in effects if e.size]
     limit = float(max(e.max() for e in effects)) if effects else None
-    extra = {"evaluation_set": f"the first {args.batches} validation batches", "checkpoint": ckpt}
+    extra = {"evaluation_set": f"the first {args.batches} validation batches", "checkpoint": ckpt,
+             "requested": requested(args)}
     for run, (probe, step) in results.items():
         writer = replace_events(run)
         try:

@@ -532,9 +532,13 @@ def test_script_on_a_sweep_of_real_runs(tmp_path):
         done = _script(str(tmp_path), "--batches", "1", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
     assert "mass-vs-effect rank correlation per sublayer" in done.stdout
+    reused = _script(str(tmp_path), "--batches", "1", "--reuse", cwd=tmp_path)
+    assert reused.returncode == 0 and reused.stdout.count("from its probes.json") == 2, reused.stdout
+    again = _script(str(tmp_path), "--batches", "2", "--reuse", cwd=tmp_path)  # other settings: probed again
+    assert again.returncode == 0 and "from its probes.json" not in again.stdout
     for name in ("standard", "block"):
         result = json.loads((tmp_path / name / "probes.json").read_text())
-        assert result["step"] == 4 and len(result["layer_effect"]) == 4
+        assert result["step"] == 4 and len(result["layer_effect"]) == 4 and result["batches"] == 2
         assert (tmp_path / name / "plots" / "layer_knockout.png").is_file()
         assert len(list((tmp_path / name).glob("events.out.tfevents.*.probe_routing"))) == 1
     assert (tmp_path / "block" / "plots" / "routing.png").is_file()
