@@ -418,15 +418,15 @@ def render_probe(tag: str, data: np.ndarray, meta: Mapping[str, Any], step: int)
     {"strategy", "rows", "cols", "sources", "mode", "clean_loss", "tokens", "effect_limit"} or
     {"strategy", "labels", "mode", "clean_loss", "tokens"}."""
     name, mode = meta["strategy"], meta.get("mode", "remove")
-    on = f"{meta.get('tokens', '?')} validation tokens, loss {meta.get('clean_loss', float('nan')):.4f}"
+    on = f"{meta.get('tokens', '?')} tokens, loss {meta.get('clean_loss', float('nan')):.4f}"
     if tag == "probe/routing":
         how = "removed, weights renormalised" if mode == "remove" else "replaced by its mean over tokens"
         title = f"{name}, step {step}: which sources does each sublayer use? ({on})\nknock-out: the source {how}"
         return routing_figure(data[0], data[1], meta["rows"], meta["cols"], title, meta.get("sources", "source"),
                               meta.get("effect_limit"), rank=data[2][:, 0], top=data[3][:, 0])
     if tag == "probe/layer_knockout":
-        title = (f"{name}, step {step}: which sublayers does the model use? ({on})\n"
-                 "change in loss when one sublayer's output is removed")
+        title = (f"{name}, step {step}: which sublayers does the model use?\n"
+                 f"change in loss when one sublayer's output is removed ({on})")
         return depth_profile({"layer knock-out": data}, meta["labels"], title, "loss(without it) - loss (nats)",
                              "sublayer removed (depth)", signed=True)
     raise ValueError(f"no probe figure for tag {tag!r}; known: {', '.join(PROBE_TAGS)}")
