@@ -134,7 +134,7 @@ def probe_run(run: Path, args: argparse.Namespace) -> tuple[Any, int]:
     try:
         with autocast:
             probe = probe_routing(model, batches, mode=args.mode, sources=not args.no_sources,
-                                  layers=not args.no_layers)
+                                  layers=not args.no_layers, max_stack=args.max_stack)
     except ValueError as err:  # a non-finite intact loss, say
         raise SkipRun(str(err)) from err
     return probe, step
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", default="last", help="last (default), best, or a checkpoint path")
     parser.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu, cuda, cuda:1, ...")
     parser.add_argument("--bf16", action="store_true", help="on CUDA, run under bf16 autocast")
+    parser.add_argument("--max-stack", type=int, default=16,
+                        help="at most this many copies of a batch in one pass (default 16; lower it for memory)")
     parser.add_argument("--no-sources", action="store_true", help="skip the source knock-outs")
     parser.add_argument("--no-layers", action="store_true", help="skip the layer knock-outs")
     parser.add_argument("--reuse", action="store_true",
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
+    if args.max_stack < 1:
+        parser.error(f"--max-stack must be >= 1, got {args.max_stack}")
     if args.no_sources and args.no_layers:
         parser.error("--no-sources and --no-layers leave nothing to measure; drop one")
     root: Path = args.folder

@@ -491,7 +491,8 @@ def test_callback_probes_at_the_end_of_training(tmp_path, enabled):
     assert module.model.residual._knockout is None
 
 
-@pytest.mark.parametrize("bad", [{"enabled": "yes"}, {"batches": 0}, {"mode": "zero"}, {"layers": 1}])
+@pytest.mark.parametrize("bad", [{"enabled": "yes"}, {"batches": 0}, {"mode": "zero"}, {"layers": 1},
+                                 {"max_stack": 0}])
 def test_callback_options_are_checked(bad):
     from attnres.training.callbacks import RoutingProbes
 

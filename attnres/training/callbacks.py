@@ -391,27 +391,32 @@ def write_probes(probe: probes.RoutingProbe, run_dir: Path, step: int, writer: A
 class RoutingProbes(pl.Callback):
     """Source and layer knock-outs (`attnres.probes`) at the end of training (module docstring).
 
-    enabled: off by default (a cost: about 42 forward passes of each batch for the default Block
-    AttnRes model, 11 for the standard residual; README "Routing probes"). batches: validation batches in the evaluation set. mode: "remove"
-    (renormalise over the other sources) or "mean" (replace the source by its mean over tokens).
-    sources / layers: which knock-outs. dirpath: the run folder (default: the trainer's
+    enabled: off by default (a cost: about 42 forward passes of each batch for the default
+    Block AttnRes model, 11 for the standard residual; README "Routing probes"). batches:
+    validation batches in the evaluation set. mode: "remove" (renormalise over the other
+    sources) or "mean" (replace the source by its mean over tokens). sources / layers: which
+    knock-outs. max_stack: at most this many copies of a batch in one pass (memory grows with
+    it: the logits are max_stack x B x T x V). dirpath: the run folder (default: the trainer's
     `default_root_dir`). Runs on rank 0, in eval mode without gradients, under the trainer's
     precision; a stop signal (SIGTERM, SIGINT) ends it between passes, and a failure is logged
     without failing the run, whose checkpoints are written already.
     """
 
     def __init__(self, enabled: bool = False, batches: int = 4, mode: str = "remove", sources: bool = True,
-                 layers: bool = True, dirpath: str | None = None) -> None:
+                 layers: bool = True, max_stack: int = 16, dirpath: str | None = None) -> None:
         for name, value in (("enabled", enabled), ("sources", sources), ("layers", layers)):
             if not isinstance(value, bool):
                 raise ValueError(f"callbacks.routing_probes.{name} must be true or false, got {value!r}")
         if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
             raise ValueError(f"callbacks.routing_probes.batches must be an int >= 1 (validation batches), "
                              f"got {batches!r}")
+        if isinstance(max_stack, bool) or not isinstance(max_stack, int) or max_stack < 1:
+            raise ValueError(f"callbacks.routing_probes.max_stack must be an int >= 1 (copies of a batch in one "
+                             f"pass), got {max_stack!r}")
         if mode not in probes.MODES:
             raise ValueError(f"callbacks.routing_probes.mode must be one of {', '.join(probes.MODES)}, got {mode!r}")
         self.enabled, self.batches, self.mode, self.sources, self.layers = enabled, batches, mode, sources, layers
-        self.dirpath = dirpath
+        self.max_stack, self.dirpath = max_stack, dirpath
         self.seconds = 0.0  # wall time of the last probe (for the record)
         self.result: probes.RoutingProbe | None = None
 
@@ -430,6 +435,7 @@ class RoutingProbes(pl.Callback):
             with trainer.precision_plugin.forward_context():
                 self.result = probes.probe_routing(
                     pl_module.model, batches, mode=self.mode, sources=self.sources, layers=self.layers,
+                    max_stack=self.max_stack,
                     should_stop=(lambda: stop.received is not None) if stop is not None else None)
             run_dir = Path(self.dirpath or trainer.default_root_dir)
             write_probes(self.result, run_dir, trainer.global_step, tensorboard_writer(trainer),
