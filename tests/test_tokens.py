@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -278,9 +279,8 @@ def test_without_a_tokenizer_only_loss_is_reported(tmp_path):
 
 
 # -- end to end: attnres-prepare, attnres-run data=tokens, mode=eval, mode=sample ---------------------
-def _cli(*args: str, cwd: Path) -> "subprocess.CompletedProcess":
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     import os
-    import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -109,17 +109,17 @@ def _stacked(sources: Sequence[Tensor], stacked: Tensor | None, cd: torch.dtype)
     return torch.stack([_rows(v, cd) for v in sources])
 
 
-def _weighted_sum(V: Tensor, a: Tensor) -> Tensor:
-    """sum_i a[i] * V[i] for V (n, M, D) and per-token weights a (n, M): a new (M, D) tensor,
+def _weighted_sum(vals: Tensor, a: Tensor) -> Tensor:
+    """sum_i a[i] * vals[i] for vals (n, M, D) and per-token weights a (n, M): a new (M, D) tensor,
     accumulated in place (one pass per source, no (n, M, D) temporary)."""
-    acc = V[0] * a[0].unsqueeze(-1)
-    for i in range(1, V.shape[0]):
-        acc.addcmul_(V[i], a[i].unsqueeze(-1))
+    acc = vals[0] * a[0].unsqueeze(-1)
+    for i in range(1, vals.shape[0]):
+        acc.addcmul_(vals[i], a[i].unsqueeze(-1))
     return acc
 
 
 def depth_attention_forward(
-    V: Tensor,
+    vals: Tensor,
     r_cache: Tensor | None,
     queries: Tensor,
     prefix_h: Sequence[Tensor],
@@ -127,26 +127,26 @@ def depth_attention_forward(
     eps: float,
     out_norm: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """No-grad forward. V: the n sources stacked, (n, M, D) in the compute dtype; r_cache:
+    """No-grad forward. vals: the n sources stacked, (n, M, D) in the compute dtype; r_cache:
     their inverse RMS (n, M) or None; queries: (K, D) gain-folded, compute dtype; prefix_h: []
     or K tensors (M, D) whose logit is prefix_lse (K, M); out_norm: None, or (K == 1, no
     prefix) the (D,) weight of a fused output RMSNorm, compute dtype. Returns (outs: K tensors
     (M, D) in the compute dtype, z (K, n, M), lse (K, M), r (n, M), h, n): with out_norm, outs
     is [y] and h the output before the norm, n (M,) its inverse RMS; else both None. Every
     operation is over all n sources at once: a handful of ops per call, whatever n."""
-    K, n = queries.shape[0], V.shape[0]
-    r = r_cache.reshape(n, -1) if r_cache is not None else inv_rms(V, eps)  # (n, M)
+    K, n = queries.shape[0], vals.shape[0]
+    r = r_cache.reshape(n, -1) if r_cache is not None else inv_rms(vals, eps)  # (n, M)
     # one (n M, D) @ (D, K) product: the logits of all K queries in one read of the sources
-    z = torch.matmul(V, queries.T).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
+    z = torch.matmul(vals, queries.T).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
     zall = z if prefix_lse is None else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)  # (K, n', M)
     lse = torch.logsumexp(zall, dim=1)  # (K, M)
     alpha = _weights(zall, lse)  # (K, n', M)
     outs = []
     for k in range(K):  # K separate outputs: a sublayer keeping one for backward keeps only that one
         if prefix_lse is None:
-            outs.append(_weighted_sum(V, alpha[k]))
+            outs.append(_weighted_sum(vals, alpha[k]))
         else:
-            outs.append(_weighted_sum(V, alpha[k, 1:]).addcmul_(prefix_h[k], alpha[k, 0].unsqueeze(-1)))
+            outs.append(_weighted_sum(vals, alpha[k, 1:]).addcmul_(prefix_h[k], alpha[k, 0].unsqueeze(-1)))
     h = h_inv_rms = None
     if out_norm is not None:  # K == 1: y = h * n * w from the unrounded h
         h, h_inv_rms = outs[0], torch.rsqrt(outs[0].square().mean(dim=-1) + eps)  # (M,)
@@ -155,7 +155,7 @@ def depth_attention_forward(
 
 
 def depth_attention_backward(
-    V: Tensor,
+    vals: Tensor,
     r: Tensor,
     queries: Tensor,
     z: Tensor,
@@ -168,14 +168,14 @@ def depth_attention_backward(
     out_norm: Tensor | None = None,
     h: Tensor | None = None,
     h_inv_rms: Tensor | None = None,
-) -> tuple[Tensor, Tensor, list[Tensor], Tensor | None, Tensor | None]:
-    """Gradients (dV (n, M, D), d_queries (K, D), d_prefix_h (K of (M, D)), d_prefix_lse (K, M),
+) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
+    """Gradients (dV (n of (M, D)), d_queries (K, D), d_prefix_h (K of (M, D)), d_prefix_lse (K, M),
     d_out_norm), all in the compute dtype, of the forward above; shapes as there, d_outs (M, D)
     or None. `outs` (M, D) are only read when there is a prefix (then P_k = dO_k . out_k);
     otherwise they may be empty and P_k = sum_i alpha_ki dO_k . v_i. With a fused output norm
     (`out_norm`, and the forward's h and n), `d_outs` are the cotangents of y."""
     cd = queries.dtype
-    K, n, d = queries.shape[0], V.shape[0], queries.shape[-1]
+    K, n, d = queries.shape[0], vals.shape[0], queries.shape[-1]
     has_prefix = prefix_lse is not None
     zall = z if not has_prefix else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)
     alpha = _weights(zall, lse)  # (K, n', M)
@@ -189,8 +189,14 @@ def depth_attention_backward(
         wdy = d_o[0] * out_norm
         d_o[0] = wdy * hn - (hn.pow(3) / d) * torch.linalg.vecdot(wdy, h).unsqueeze(-1) * h
 
-    # per token, dO_k . v_i for every source at once: (K, n, M)
-    g = torch.stack([torch.linalg.vecdot(V, d_o[k]) for k in range(K)])
+    # per token, dO_k . v_i: (K, n, M), through one (M, D) scratch. Per source, not over all n at
+    # once: a fresh (n, M, D) temporary per call costs more in page faults than its arithmetic
+    # (glibc returns large blocks to the system and maps them anew), one (M, D) tensor does not.
+    scratch = torch.empty_like(d_o[0])
+    g = z.new_empty((K, n, m))
+    for k in range(K):
+        for i in range(n):
+            torch.sum(torch.mul(vals[i], d_o[k], out=scratch), dim=-1, out=g[k, i])
     ag = (a_src * g).sum(dim=1)  # (K, M)
     P = torch.stack([torch.linalg.vecdot(d_o[k], outs[k]) for k in range(K)]) if has_prefix else ag
     dz = a_src * (g - P.unsqueeze(1))
@@ -208,14 +214,16 @@ def depth_attention_backward(
         d_prefix_h = [d_o[k] * a_pre[k].unsqueeze(-1) for k in range(K)]
     dzr = (dz * r.unsqueeze(0)).permute(1, 2, 0).contiguous()  # (n, M, K)
     c = (-(dz * z).sum(dim=0) * r.square() / d).unsqueeze(-1)  # (n, M, 1): the derivative through r_i
-    # dv_i = sum_k alpha_ki dO_k + r_i sum_k dz_ki q_k + c_i v_i, for all sources at once
-    dV = a_src[0].unsqueeze(-1) * d_o[0]
-    for k in range(1, K):
-        dV.addcmul_(a_src[k].unsqueeze(-1), d_o[k])
-    flat = dV.view(-1, d)
-    flat.addmm_(dzr.view(-1, K), queries)
-    dV.addcmul_(V, c)
-    d_q = dzr.view(-1, K).T @ V.reshape(-1, d)  # (K, D)
+    a_col = a_src.unsqueeze(-1)  # (K, n, M, 1)
+    # dv_i = sum_k alpha_ki dO_k + r_i sum_k dz_ki q_k + c_i v_i, one (M, D) tensor per source (as
+    # autograd accumulates them), in place
+    dV = []
+    for i in range(n):
+        dv = d_o[0] * a_col[0, i]
+        for k in range(1, K):
+            dv.addcmul_(d_o[k], a_col[k, i])
+        dV.append(dv.addmm_(dzr[i], queries).addcmul_(vals[i], c[i]))
+    d_q = dzr.view(-1, K).T @ vals.reshape(-1, d)  # (K, D): one product over all sources
     return dV, d_q, d_prefix_h, d_prefix_lse, d_out_norm
 
 
@@ -231,9 +239,9 @@ class _DepthAttention(torch.autograd.Function):
         n = len(tensors) - (0 if prefix_lse is None else queries.shape[0])
         sources, prefix_h = tensors[:n], tensors[n:]
         shape, dtype, cd = sources[0].shape, sources[0].dtype, queries.dtype
-        V = _stacked(sources, stacked, cd)
+        vals = _stacked(sources, stacked, cd)
         outs, z, lse, r, h, h_inv_rms = depth_attention_forward(
-            V, r_cache, queries, [_rows(p, cd) for p in prefix_h], prefix_lse, eps, out_norm
+            vals, r_cache, queries, [_rows(p, cd) for p in prefix_h], prefix_lse, eps, out_norm
         )
         stat = shape[:-1]
         outs = [o.view(shape).to(dtype) for o in outs]
@@ -272,7 +280,7 @@ class _DepthAttention(torch.autograd.Function):
         if all(g is None for g in d_outs) and dz_ext is None and dlse is None:
             return (None,) * (6 + n + n_prefix)
         cd = queries.dtype
-        V = _stacked(sources, None, cd) if sources is not None else ctx.stacked.to(cd).reshape(n, -1, shape[-1])
+        vals = _stacked(sources, None, cd) if sources is not None else ctx.stacked.to(cd).reshape(n, -1, shape[-1])
         if not ctx.has_out_norm:
             out_norm = h = h_inv_rms = None
         else:
@@ -280,12 +288,12 @@ class _DepthAttention(torch.autograd.Function):
         rows = [None if g is None else _rows(g, cd) for g in d_outs]
         stat = (K, -1)
         dV, d_q, d_pre_h, d_pre_lse, d_out_norm = depth_attention_backward(
-            V, r.reshape(n, -1), queries, z.reshape(K, n, -1), lse.reshape(stat), None if prefix_lse is None
+            vals, r.reshape(n, -1), queries, z.reshape(K, n, -1), lse.reshape(stat), None if prefix_lse is None
             else prefix_lse.reshape(stat), [_rows(o, cd) for o in outs], rows,
             None if dz_ext is None else dz_ext.reshape(K, n, -1), None if dlse is None else dlse.reshape(stat),
             out_norm, h, h_inv_rms,
         )
-        d_src = [dv.view(shape).to(dtype) for dv in dV.unbind(0)]
+        d_src = [dv.view(shape).to(dtype) for dv in dV]
         d_pre_h = [g.view(shape).to(dtype) for g in d_pre_h]
         if d_pre_lse is not None:
             d_pre_lse = d_pre_lse.view(prefix_lse.shape)

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from attnres.functional import SourceStack, completed_attention, merge_partial

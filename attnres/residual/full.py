@@ -22,7 +22,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from attnres.functional import SourceStack, completed_attention, merge_partial
