@@ -296,8 +296,8 @@ class SourceStack:
     """The completed sources of one two-phase pass, in order: the tensors (what autograd
     differentiates), their key statistics (`key_inv_rms`, computed once each) and, on the
     eager "torch" path, a copy of their values in one preallocated (capacity, ..., D) buffer,
-    so that each phase-1 or phase-2 call reads its n sources as one (n, ..., D) tensor: a
-    handful of operations per call whatever n, and no stacking copy. Under torch.compile, and
+    so that each phase-1 or phase-2 call reads its n sources as one (n, ..., D) tensor (one
+    product for the logits of all its queries) with no stacking copy. Under torch.compile, and
     with the Triton kernels, there is no buffer (Inductor and the kernels read the list).
 
     `take(a, b)` gives the arguments of sources a..b-1 for `completed_attention` /

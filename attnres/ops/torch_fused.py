@@ -2,11 +2,12 @@
 
 Same math as `naive.py` (DESIGN.md section 2), organised for speed and memory:
 
-- the core works on the n sources as one (n, M, D) tensor, so that a call is a handful of
-  operations whatever n (on a small model, the fixed cost of each operation, forward and
-  backward, is most of AttnRes's cost). The strategies keep their completed sources in a
-  buffer they only append to (`attnres.functional.SourceStack`) and pass it as `stacked`:
-  nothing is stacked per call. Sources are never normalised into a copy: per token and
+- the core takes the n sources as one (n, M, D) tensor: the logits of all K queries are one
+  (n M, D) @ (D, K) product, and the weighted sums and the backward go source by source, in
+  place, so that no (n, M, D) temporary is allocated per call (on CPU its page faults cost more
+  than its arithmetic: experiments/BENCHMARKS.md, "Small models"). The strategies keep their
+  completed sources in a buffer they only append to (`attnres.functional.SourceStack`) and pass
+  it as `stacked`: nothing is stacked per call. Sources are never normalised into a copy: per token and
   source only two statistics exist, the inverse RMS r_i = 1 / sqrt(mean(v_i^2) + eps) and
   the logit z_i = (v_i . q) * r_i (the key-norm gain is folded into the query q);
 - one custom autograd function saves only those statistics (float32 for half inputs) and a
@@ -132,8 +133,7 @@ def depth_attention_forward(
     or K tensors (M, D) whose logit is prefix_lse (K, M); out_norm: None, or (K == 1, no
     prefix) the (D,) weight of a fused output RMSNorm, compute dtype. Returns (outs: K tensors
     (M, D) in the compute dtype, z (K, n, M), lse (K, M), r (n, M), h, n): with out_norm, outs
-    is [y] and h the output before the norm, n (M,) its inverse RMS; else both None. Every
-    operation is over all n sources at once: a handful of ops per call, whatever n."""
+    is [y] and h the output before the norm, n (M,) its inverse RMS; else both None."""
     K, n = queries.shape[0], vals.shape[0]
     r = r_cache.reshape(n, -1) if r_cache is not None else inv_rms(vals, eps)  # (n, M)
     # one (n M, D) @ (D, K) product: the logits of all K queries in one read of the sources
@@ -315,7 +315,7 @@ def run_depth_attention(
     `out_norm`: the (D,) weight of a fused output RMSNorm (one query, no prefix), or None.
     `stacked`: optionally the sources' values as one (n, ...) tensor (a view of a buffer the
     caller appends completed sources to and never rewrites): then the op reads that, saves no
-    reference to the sources, and gives their gradients as views of one (n, ...) tensor."""
+    reference to the sources."""
     if out_norm is not None and (queries.shape[0] != 1 or prefix_lse is not None):
         raise ValueError("a fused output norm takes one query and no prefix")
     tensors = (queries, *sources, *prefix_h) + tuple(t for t in (prefix_lse, out_norm) if t is not None)
