@@ -87,6 +87,25 @@ def _cell_text(value: float) -> str:
     return "1" if value >= 0.995 else "0" if value < 0.005 else f"{value:.2f}".lstrip("0")
 
 
+def _label_grid(ax: Any, R: int, C: int, row_labels: Sequence[str], col_labels: Sequence[str]) -> None:  # noqa: N803
+    """The labels and rules of a sublayer-by-source heatmap panel: ticks sized to the cells,
+    row labels coloured by kind (attention / MLP, `output` bold), a white rule between
+    Transformer layers (after each MLP row) and a black one above the output aggregation."""
+    cell_w, cell_h = heatmap_cell(C) * 72, heatmap_cell(R) * 72  # points
+    ax.set_xticks(range(C), col_labels, rotation=0 if C <= 8 else 90, fontsize=min(8.0, 0.75 * cell_w))
+    ax.set_yticks(range(R), row_labels, fontsize=min(8.0, 0.75 * cell_h))
+    ax.tick_params(length=0)
+    for tick, label in zip(ax.get_yticklabels(), row_labels, strict=True):
+        tick.set_color(ATTN_COLOUR if "attn" in label else MLP_COLOUR if "mlp" in label else "black")
+        if label == "output":
+            tick.set_fontweight("bold")
+    rule = min(2.0, 0.12 * cell_h)
+    for r in range(2, R - 1, 2):
+        ax.axhline(r - 0.5, color="white", linewidth=rule)
+    if R > 1 and row_labels[-1] == "output":
+        ax.axhline(R - 1.5, color="black", linewidth=1.25 * rule)
+
+
 def depth_heatmap(
     weights: np.ndarray, row_labels: Sequence[str], col_labels: Sequence[str], title: str, xlabel: str = "source"
 ) -> Figure:
@@ -106,19 +125,7 @@ def depth_heatmap(
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#e6e6e6")
     image = ax.imshow(np.ma.masked_invalid(weights), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
                       interpolation="nearest")
-    cell_w, cell_h = heatmap_cell(C) * 72, heatmap_cell(R) * 72  # points
-    ax.set_xticks(range(C), col_labels, rotation=0 if C <= 8 else 90, fontsize=min(8.0, 0.75 * cell_w))
-    ax.set_yticks(range(R), row_labels, fontsize=min(8.0, 0.75 * cell_h))
-    ax.tick_params(length=0)
-    for tick, label in zip(ax.get_yticklabels(), row_labels, strict=True):
-        tick.set_color(ATTN_COLOUR if "attn" in label else MLP_COLOUR if "mlp" in label else "black")
-        if label == "output":
-            tick.set_fontweight("bold")
-    rule = min(2.0, 0.12 * cell_h)
-    for r in range(2, R - 1, 2):  # between Transformer layers (after each MLP row)
-        ax.axhline(r - 0.5, color="white", linewidth=rule)
-    if R > 1 and row_labels[-1] == "output":
-        ax.axhline(R - 1.5, color="black", linewidth=1.25 * rule)
+    _label_grid(ax, R, C, row_labels, col_labels)
     annotations = heatmap_annotations(R, C)
     if annotations is not None:
         fontsize, smallest = annotations
@@ -305,19 +312,7 @@ def _grid_axes(ax: Any, grid: np.ndarray, row_labels: Sequence[str], col_labels:
     `diverging`: white text on both dark ends of the scale, not only on the low one."""
     R, C = grid.shape
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
-    cell_w, cell_h = heatmap_cell(C) * 72, heatmap_cell(R) * 72
-    ax.set_xticks(range(C), col_labels, rotation=0 if C <= 8 else 90, fontsize=min(8.0, 0.75 * cell_w))
-    ax.set_yticks(range(R), row_labels, fontsize=min(8.0, 0.75 * cell_h))
-    ax.tick_params(length=0)
-    for tick, label in zip(ax.get_yticklabels(), row_labels, strict=True):
-        tick.set_color(ATTN_COLOUR if "attn" in label else MLP_COLOUR if "mlp" in label else "black")
-        if label == "output":
-            tick.set_fontweight("bold")
-    rule = min(2.0, 0.12 * cell_h)
-    for r in range(2, R - 1, 2):
-        ax.axhline(r - 0.5, color="white", linewidth=rule)
-    if R > 1 and row_labels[-1] == "output":
-        ax.axhline(R - 1.5, color="black", linewidth=1.25 * rule)
+    _label_grid(ax, R, C, row_labels, col_labels)
     annotations = heatmap_annotations(R, C)
     if annotations is not None and C <= ANNOTATE_ALL:
         fontsize = annotations[0] * fontscale
