@@ -321,9 +321,6 @@ class SourceStack:
         if statistics:
             self._inv_rms.append(key_inv_rms(source, self.eps, self.kernel))
 
-    def __len__(self) -> int:
-        return len(self.sources)
-
     def take(self, a: int = 0, b: int | None = None) -> tuple[list[Tensor], Tensor, Tensor | None]:
         b = len(self.sources) if b is None else b
         stacked = None if self._values is None else self._values[a:b]
