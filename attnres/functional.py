@@ -5,9 +5,12 @@ and `block_attn_res` are its two public forms. Inputs are validated here, once, 
 then handed to an implementation in `attnres.ops`, chosen by `kernel`:
 
 - "auto" (default): "triton" for CUDA tensors of a half or float32 dtype (D <= 8192) when
-  triton is installed, "torch" otherwise;
+  triton is installed, "cpu" for CPU tensors of float32 or float64 when its C++ kernel builds
+  (in eager mode: under torch.compile, "torch", which Inductor fuses), "torch" otherwise;
 - "triton": fused Triton kernels (`attnres/ops/triton_fused.py`); CUDA tensors, or CPU
   tensors under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported);
+- "cpu": one fused C++ loop each way over the tokens (`attnres/ops/cpu_fused.py`), compiled
+  on first use (about 30 s, once per machine); CPU tensors of float32 or float64;
 - "torch": the fast formulation in plain PyTorch (`attnres/ops/torch_fused.py`);
 - "naive": the reference (`attnres/ops/naive.py`).
 
@@ -43,7 +46,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from attnres.ops import naive_depth_attention
+from attnres.ops import cpu_fused, naive_depth_attention
 from attnres.ops.naive import naive_generalized_depth_attention
 from attnres.ops.torch_fused import fold_queries
 
@@ -62,7 +65,7 @@ __all__ = [
     "static_depth_mixing",
 ]
 
-KERNELS = ("auto", "triton", "torch", "naive")
+KERNELS = ("auto", "triton", "cpu", "torch", "naive")
 SCORINGS = ("softmax", "sigmoid")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRITON_MAX_D = 8192  # whole rows live in registers; wider rows spill (experiments/kernel_resources.py)
@@ -84,13 +87,29 @@ def triton_available() -> bool:
 
 
 def resolve_kernel(kernel: str, like: Tensor) -> str:
-    """The implementation `kernel` stands for with inputs like `like`: "triton", "torch" or
-    "naive". Raises ValueError for an unknown name or a Triton request it cannot serve."""
+    """The implementation `kernel` stands for with inputs like `like`: "triton", "cpu", "torch"
+    or "naive". Raises ValueError for an unknown name or a Triton request it cannot serve."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     if kernel == "auto":
         usable = like.is_cuda and like.dtype in _TRITON_DTYPES and like.shape[-1] <= _TRITON_MAX_D
-        return "triton" if usable and triton_available() else "torch"
+        if usable and triton_available():
+            return "triton"
+        # under torch.compile the plain-PyTorch path, which Inductor fuses itself (and nothing
+        # is built while Dynamo traces)
+        if torch.compiler.is_compiling() or not _cpu_usable(like):
+            return "torch"
+        return "cpu" if cpu_fused.available() else "torch"
+    if kernel == "cpu":
+        if not _cpu_usable(like):
+            raise ValueError(f"kernel='cpu' takes CPU tensors of float32 or float64, got {like.dtype} on "
+                             f"{like.device}: use kernel='auto' or 'torch'")
+        if not cpu_fused.available():
+            if torch.compiler.is_compiling():
+                raise ValueError("kernel='cpu' under torch.compile needs the C++ kernel built before compiling: "
+                                 "call attnres.ops.cpu_fused.available() first, or use kernel='auto' or 'torch'")
+            raise ValueError(f"kernel='cpu': the C++ kernel could not be built ({cpu_fused.load_error()}); "
+                             "use kernel='torch'")
     if kernel == "triton":
         if not triton_available():
             raise ValueError("kernel='triton' needs the triton package (>= 3.2): pip install 'attnres[triton]'")
@@ -104,7 +123,13 @@ def resolve_kernel(kernel: str, like: Tensor) -> str:
     return kernel
 
 
+def _cpu_usable(like: Tensor) -> bool:
+    return like.device.type == "cpu" and like.dtype in cpu_fused.DTYPES
+
+
 def _impl(kernel: str) -> ModuleType:
+    if kernel == "cpu":
+        return cpu_fused
     if kernel == "triton":
         from attnres.ops import triton_fused  # lazy: `import attnres` never imports triton
 
@@ -253,14 +278,15 @@ def completed_attention(
     queries: Tensor,
     eps: float = 1e-6,
     kernel: str = "auto",
-    stacked: Tensor | None = None,
+    stacked: Tensor | tuple | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Phase 1: K queries (K, D) (gain-folded, see `fold_queries`) against the same sources
     (n tensors (..., D)) in one pass. `inv_rms`: (n, ...) from `key_inv_rms`, or None to
     compute it. Returns K outputs (..., D) and their log-sum-exp (K, ...) of the logits,
-    which `merge_partial` needs to extend the softmax with further sources. `stacked`: the
-    sources' values as one (n, ..., D) tensor, when the caller keeps one (`SourceStack`);
-    the "torch" implementation then reads that instead of stacking them itself."""
+    which `merge_partial` needs to extend the softmax with further sources. `stacked`: what
+    `SourceStack.take` gives with the sources, for the implementation it was built for: the
+    sources' values as one (n, ..., D) tensor ("torch", which then reads that instead of
+    stacking them itself), or the pass's gradient sink ("cpu"); None otherwise."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, sources[0])
     impl = _impl("torch" if kernel == "naive" else kernel)
@@ -276,7 +302,7 @@ def merge_partial(
     query: Tensor,
     eps: float = 1e-6,
     kernel: str = "auto",
-    stacked: Tensor | None = None,
+    stacked: Tensor | tuple | None = None,
 ) -> Tensor:
     """Phase 2: extend a phase-1 result `acc` (..., D) with log-sum-exp `lse` (...) by more
     sources (e.g. the block's partial sum) under the same query (D,), as one softmax over all:
@@ -298,10 +324,13 @@ class SourceStack:
     eager "torch" path, a copy of their values in one preallocated (capacity, ..., D) buffer,
     so that each phase-1 or phase-2 call reads its n sources as one (n, ..., D) tensor (one
     product for the logits of all its queries) with no stacking copy. Under torch.compile, and
-    with the Triton kernels, there is no buffer (Inductor and the kernels read the list).
+    with the Triton or C++ kernels, there is no buffer (Inductor and the kernels read the list).
 
     `take(a, b)` gives the arguments of sources a..b-1 for `completed_attention` /
-    `merge_partial`: (tensors, inv_rms (b - a, ...), stacked or None)."""
+    `merge_partial`: (tensors, inv_rms (b - a, ...) or None, stacked or None). The C++ kernel
+    computes the statistics itself, from rows it reads anyway: for it none are kept, and
+    `stacked` is the pass's gradient sink with the sources' places in it (`cpu_fused.GradSink`:
+    each call adds its source gradients into one buffer per source)."""
 
     def __init__(self, first: Tensor, capacity: int, eps: float, kernel: str) -> None:
         self.eps, self.kernel = eps, kernel
@@ -309,22 +338,37 @@ class SourceStack:
         self._inv_rms: list[Tensor] = []
         eager = kernel == "torch" and not torch.compiler.is_compiling()
         self._values = first.new_empty((capacity, *first.shape)) if eager else None
+        impl = _impl(kernel)
+        # the C++ kernel computes the statistic from the rows it reads anyway: none kept for it
+        self._statistics = getattr(impl, "CACHED_STATISTICS", True)
+        # and adds each call's source gradients into one buffer per source (`cpu_fused.GradSink`)
+        sink = getattr(impl, "GradSink", None)
+        tracing = torch.compiler.is_compiling()
+        self._sink = sink() if sink is not None and torch.is_grad_enabled() and not tracing else None
+        self._tracked: list[int | None] = []
         self.append(first)
 
     def append(self, source: Tensor, statistics: bool = True) -> None:
         """Add a completed source; `statistics=False` when nothing will attend to it (its key
         statistic is then not computed)."""
+        index = len(self.sources)
         if self._values is not None:
             with torch.no_grad():
-                self._values[len(self.sources)].copy_(source)
+                self._values[index].copy_(source)
+        tracked = self._sink is not None and source.requires_grad
+        if tracked:
+            source = self._sink.track(source, index)
+        self._tracked.append(index if tracked else None)
         self.sources.append(source)
-        if statistics:
+        if statistics and self._statistics:
             self._inv_rms.append(key_inv_rms(source, self.eps, self.kernel))
 
-    def take(self, a: int = 0, b: int | None = None) -> tuple[list[Tensor], Tensor, Tensor | None]:
+    def take(self, a: int = 0, b: int | None = None) -> tuple[list[Tensor], Tensor | None, Tensor | None]:
         b = len(self.sources) if b is None else b
         stacked = None if self._values is None else self._values[a:b]
-        return self.sources[a:b], torch.stack(self._inv_rms[a:b]), stacked
+        if self._sink is not None:
+            stacked = (self._sink, self._tracked[a:b])
+        return self.sources[a:b], torch.stack(self._inv_rms[a:b]) if self._statistics else None, stacked
 
 
 def full_attn_res(

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer
-from attnres.functional import depth_attention, resolve_kernel, triton_available
+from attnres.functional import KERNELS, depth_attention, resolve_kernel, triton_available
 
 GPT_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 1024, "batch": 16, "vocab": 32768}
 # --quick keeps GPT-small's depth, width and vocabulary (what sets AttnRes's cost relative to
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", dest="modes", action="store_const", const="eager", help="eager only")
     p.add_argument("--modes", dest="modes", default=None,
                    help="comma-separated subset of eager,compiled (e.g. 'compiled' alone, to split a long GPU run)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "triton", "torch", "naive"],
+    p.add_argument("--kernel", default="auto", choices=KERNELS,
                    help="depth-attention implementation of the AttnRes strategies (naive = the reference path)")
     p.add_argument("--strategies", default="standard,block,full", help="comma-separated subset")
     p.add_argument("--num-blocks", type=int, default=8)
@@ -295,6 +295,7 @@ def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
         "forward_backward": (3 * n_src + 2) * tensor_bytes / bandwidth,
     }
     kernels = ["naive", "torch"] + (["triton"] if dev.type == "cuda" and triton_available() else [])
+    kernels += ["cpu"] if resolve_kernel("auto", sources[0]) == "cpu" else []
     timer = Timer(dev)
     out = {"sources": n_src, "tokens": s["batch"] * s["seq_len"], "D": s["n_embd"], "dtype": str(dtype),
            "bandwidth_bytes_per_s": bandwidth, "floor_s": floors, "kernels": {}}

@@ -224,4 +224,5 @@ def test_wheel_finds_configs_from_anywhere(tmp_path):
                            capture_output=True, text=True)
     assert str(env_dir) in where.stdout, where.stdout  # the wheel, not the source checkout
     assert (site / "attnres" / "conf" / "config.yaml").is_file() and (site / "attnres" / "cli.py").is_file()
+    assert (site / "attnres" / "ops" / "csrc" / "depth_attention_cpu.cpp").is_file()  # the CPU kernel builds from it
     assert not (site / "cli.py").exists() and not (site / "conf").exists(), "generic top-level names installed"

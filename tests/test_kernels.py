@@ -1,5 +1,6 @@
-"""The fast depth-attention paths (`attnres/ops/torch_fused.py`, `attnres/ops/triton_fused.py`)
-against the reference (`naive.py`) and the independent float64 reference of tests/conftest.py:
+"""The fast depth-attention paths (`attnres/ops/torch_fused.py`, `attnres/ops/cpu_fused.py`,
+`attnres/ops/triton_fused.py`) against the reference (`naive.py`) and the independent float64
+reference of tests/conftest.py:
 the op, the two-phase API the strategies use, the strategies themselves, dispatch and
 torch.compile. Forward and every gradient go through the one `rel_err` helper.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +36,7 @@ from attnres.functional import (
     resolve_kernel,
     triton_available,
 )
-from attnres.ops import naive_depth_attention
+from attnres.ops import cpu_fused, naive_depth_attention
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = triton_available()  # finds triton (>= 3.2) without importing it
@@ -48,6 +50,9 @@ needs_triton = pytest.mark.skipif(
     not HAS_TRITON or (not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1"),
     reason="needs triton (CUDA, or its CPU interpreter with TRITON_INTERPRET=1)",
 )
+# the C++ kernel builds on first use wherever a compiler is: there, a failed build fails the tests
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+needs_cpu_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler (the fused CPU kernel)")
 needs_gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA device and triton")
 
 DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -56,8 +61,13 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.fl
 
 
 def impl_params(dtypes_torch, dtypes_triton):
-    """(kernel, device, dtype) cases: the torch path on CPU, Triton interpreted or on CUDA."""
+    """(kernel, device, dtype) cases: the torch path on CPU, the C++ kernel on CPU (its dtypes
+    among `dtypes_torch`), Triton interpreted or on CUDA."""
     params = [pytest.param("torch", "cpu", dt, id=f"torch-{DTYPE_NAMES[dt]}") for dt in dtypes_torch]
+    params += [
+        pytest.param("cpu", "cpu", dt, id=f"cpu-{DTYPE_NAMES[dt]}", marks=needs_cpu_kernel)
+        for dt in dtypes_torch if dt in cpu_fused.DTYPES
+    ]
     params += [
         pytest.param("triton", TRITON_DEVICE, dt, id=f"triton-{DTYPE_NAMES[dt]}", marks=needs_triton)
         for dt in dtypes_triton
@@ -482,9 +492,14 @@ def test_recording_pass_records_exact_weights(kernel, device, dtype, kind, rel_e
 
 def test_auto_dispatch_and_errors(monkeypatch):
     cpu = torch.zeros(1)
-    assert resolve_kernel("auto", cpu) == "torch"
-    assert resolve_kernel("auto", cpu.double()) == "torch"
+    fused = "cpu" if cpu_fused.available() else "torch"
+    assert resolve_kernel("auto", cpu) == fused
+    assert resolve_kernel("auto", cpu.double()) == fused
+    assert resolve_kernel("auto", cpu.bfloat16()) == "torch"  # the C++ kernel's dtypes: float32, float64
     assert resolve_kernel("naive", cpu) == "naive"
+    assert resolve_kernel("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="kernel='cpu' takes CPU tensors of float32 or float64"):
+        resolve_kernel("cpu", cpu.half())
     with pytest.raises(ValueError, match="kernel must be one of"):
         resolve_kernel("cuda", cpu)
     with pytest.raises(ValueError, match="kernel must be one of"):
@@ -540,7 +555,11 @@ def test_triton_kernels_compile_for_hopper_without_spilling(shape):
 
 @pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float32], [torch.float32]))
 def test_compiles_without_graph_breaks(kernel, device, dtype, rel_err):
-    """fullgraph=True fails on any graph break; aot_eager traces forward and backward quickly."""
+    """fullgraph=True fails on any graph break; aot_eager traces forward and backward quickly.
+    (kernel="cpu" under torch.compile wants the kernel built beforehand: nothing builds while
+    Dynamo traces.)"""
+    if kernel == "cpu":
+        assert cpu_fused.available()
     L, d = 4, 8
     s = make_strategy("block", L, 2, True, True, kernel, d).to(device, dtype)
     sublayers = make_sublayers(L, d).to(device, dtype)
@@ -560,6 +579,8 @@ def test_compiles_without_graph_breaks(kernel, device, dtype, rel_err):
 def test_output_norm_compiles_without_graph_breaks(kernel, device, dtype, rel_err):
     """The op with its fused output norm under torch.compile (the Triton op's fake implementations
     describe the extra outputs), forward and backward, with and without grad."""
+    if kernel == "cpu":
+        assert cpu_fused.available()
     srcs, q, g = sources_and_params(3, 1, 3, 8, dtype, device, seed=2)
     w = _leaf(torch.linspace(0.5, 1.5, 8, dtype=torch.float64), dtype, device)
 

@@ -38,6 +38,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from attnres.functional import KERNELS
 from attnres.training import naming  # noqa: F401  (registers the resolver that hydra.run.dir uses)
 from attnres.training.errors import ConfigError
 
@@ -756,7 +757,7 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
     },
     ("residual", ("attnres.",)): {
         "eps": Rule("number", 0, open_low=True, example=1e-6), "key_norm_gain": BOOL, "output_aggregation": BOOL,
-        "kernel": Rule("choice", choices=("auto", "torch", "triton", "naive")),
+        "kernel": Rule("choice", choices=KERNELS),
     },
     ("data", ("attnres.training.data.",)): {
         "block_size": Rule("int", 1, example=128), "batch_size": Rule("int", 1, example=16),

@@ -1,0 +1,609 @@
+// Depth attention on CPU, fused: the core pair of attnres/ops/torch_fused.py (the same math,
+// arguments and saved statistics; its module docstring has the per-token formulas) as one
+// loop over tokens each way. Per token the n source rows (n * D values, a few KB) stay in L1
+// while the logits, softmax, weighted sums and, backward, every gradient are formed, so each
+// source is read from memory once per call and each gradient written once. The plain-PyTorch
+// formulation makes a pass over memory per operation instead (dozens per call); on narrow
+// models (D ~ 100) those passes, not the arithmetic, are the cost of AttnRes over a standard
+// residual (experiments/BENCHMARKS.md, "Small models on CPU").
+//
+// Built on first use by attnres/ops/cpu_fused.py (torch.utils.cpp_extension); float32 and
+// float64, the compute dtype of the sources (half sources take the PyTorch path). Tokens are
+// split over ATen's intra-op threads; the query and norm-weight gradients are summed per
+// thread in float64 and added up at the end.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+constexpr int64_t kGrain = 32;  // tokens per task: a few hundred KB of sources at D ~ 100
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t d) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < d; ++j) s += a[j] * b[j];
+  return s;
+}
+
+// 1 / sqrt(mean(v^2) + eps), exact for any finite row: rescaled by max|v| when a square
+// overflows (as torch_fused.inv_rms does).
+template <typename T>
+inline T row_inv_rms(const T* v, int64_t d, double eps) {
+  T ss = dot(v, v, d);
+  if (std::isfinite(ss)) return T(1) / std::sqrt(ss / T(d) + T(eps));
+  T c = 1;
+  for (int64_t j = 0; j < d; ++j) c = std::max(c, std::abs(v[j]));
+  T s = 0;
+  for (int64_t j = 0; j < d; ++j) s += (v[j] / c) * (v[j] / c);
+  return T(1) / std::sqrt(s / T(d) + T(eps) / c / c) / c;
+}
+
+std::vector<const void*> pointers(const std::vector<Tensor>& ts) {
+  std::vector<const void*> p;
+  p.reserve(ts.size());
+  for (const auto& t : ts) p.push_back(t.defined() ? t.data_ptr() : nullptr);  // undefined: an absent cotangent
+  return p;
+}
+
+// Sources, prefixes and cotangents come as (..., D) tensors of one shape (B, T, D in a
+// Transformer): M = numel / D rows, read in place (contiguous, of the compute dtype).
+void check_rows(const std::vector<Tensor>& ts, at::IntArrayRef shape, at::ScalarType dt, const char* what) {
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.sizes() == shape, what, ": expected shape ", shape, ", got ", t.sizes());
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dt && t.device().is_cpu(), what,
+                ": expected contiguous CPU tensors of the compute dtype ", dt, ", got ", t.scalar_type());
+  }
+}
+
+// in the compute dtype (sources of another dtype under autocast: copied, as the PyTorch path
+// does) and contiguous (no copy when they are already)
+void prepare(std::vector<Tensor>& ts, at::ScalarType dt) {
+  for (auto& t : ts) t = t.to(dt).contiguous();
+}
+
+// (a, *lead) for the statistics of sources of shape (*lead, D)
+std::vector<int64_t> stat_shape(int64_t a, at::IntArrayRef shape) {
+  std::vector<int64_t> s{a};
+  s.insert(s.end(), shape.begin(), shape.end() - 1);
+  return s;
+}
+
+// float or double (a plain function, not AT_DISPATCH: the loops' `#pragma omp simd` cannot sit in
+// a macro's argument)
+template <typename F>
+void dispatch(at::ScalarType dt, F&& body) {
+  if (dt == at::kFloat) {
+    body(float{});
+  } else if (dt == at::kDouble) {
+    body(double{});
+  } else {
+    TORCH_CHECK(false, "the fused CPU kernel takes float32 or float64, got ", dt);
+  }
+}
+
+// Queries are served in groups of up to kGroup: the inner loops over D then update one to
+// kGroup accumulators or outputs per element read, the group's size a template parameter
+// (`with_group`) so that each loop vectorises with its accumulators in registers.
+constexpr int kGroup = 4;
+
+template <typename F>
+inline void with_group(int64_t g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// out[k] = v . b[k] for the G rows b[0..G-1], in one pass over v
+template <int G, typename T>
+inline void dots(const T* v, const T* const* b, int64_t d, T* out) {
+  const T* b0 = b[0];
+  const T* b1 = G > 1 ? b[1] : b0;
+  const T* b2 = G > 2 ? b[2] : b0;
+  const T* b3 = G > 3 ? b[3] : b0;
+  T s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t j = 0; j < d; ++j) {
+    const T x = v[j];
+    s0 += x * b0[j];
+    if constexpr (G > 1) s1 += x * b1[j];
+    if constexpr (G > 2) s2 += x * b2[j];
+    if constexpr (G > 3) s3 += x * b3[j];
+  }
+  out[0] = s0;
+  if constexpr (G > 1) out[1] = s1;
+  if constexpr (G > 2) out[2] = s2;
+  if constexpr (G > 3) out[3] = s3;
+}
+
+// o[k][j] (= or +=) a[k] * v[j] for the G outputs o[0..G-1], in one pass over v
+template <int G, bool Init, typename T>
+inline void axpys(const T* v, const T* a, T* const* o, int64_t d) {
+  T* o0 = o[0];
+  T* o1 = G > 1 ? o[1] : o0;
+  T* o2 = G > 2 ? o[2] : o0;
+  T* o3 = G > 3 ? o[3] : o0;
+  const T a0 = a[0], a1 = G > 1 ? a[1] : T(0), a2 = G > 2 ? a[2] : T(0), a3 = G > 3 ? a[3] : T(0);
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) {
+    const T x = v[j];
+    if constexpr (Init) {
+      o0[j] = a0 * x;
+      if constexpr (G > 1) o1[j] = a1 * x;
+      if constexpr (G > 2) o2[j] = a2 * x;
+      if constexpr (G > 3) o3[j] = a3 * x;
+    } else {
+      o0[j] += a0 * x;
+      if constexpr (G > 1) o1[j] += a1 * x;
+      if constexpr (G > 2) o2[j] += a2 * x;
+      if constexpr (G > 3) o3[j] += a3 * x;
+    }
+  }
+}
+
+// the source gradient's query terms, for G queries: dv[j] += sum_k (a[k] dO_k[j] + c[k] q_k[j]),
+// and the query-gradient sums tq_k[j] += c[k] v[j], in one pass
+template <int G, typename T>
+inline void dv_terms(T* dv, const T* v, const T* const* dO, const T* q, const T* a, const T* c, T* tq, int64_t d) {
+  const T* d0 = dO[0];
+  const T* d1 = G > 1 ? dO[1] : d0;
+  const T* d2 = G > 2 ? dO[2] : d0;
+  const T* d3 = G > 3 ? dO[3] : d0;
+  const T* q0 = q;
+  const T* q1 = q + (G > 1 ? d : 0);
+  const T* q2 = q + (G > 2 ? 2 * d : 0);
+  const T* q3 = q + (G > 3 ? 3 * d : 0);
+  T* t0 = tq;
+  T* t1 = tq + (G > 1 ? d : 0);
+  T* t2 = tq + (G > 2 ? 2 * d : 0);
+  T* t3 = tq + (G > 3 ? 3 * d : 0);
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) {
+    const T x = v[j];
+    T acc = dv[j] + a[0] * d0[j] + c[0] * q0[j];
+    t0[j] += c[0] * x;
+    if constexpr (G > 1) {
+      acc += a[1] * d1[j] + c[1] * q1[j];
+      t1[j] += c[1] * x;
+    }
+    if constexpr (G > 2) {
+      acc += a[2] * d2[j] + c[2] * q2[j];
+      t2[j] += c[2] * x;
+    }
+    if constexpr (G > 3) {
+      acc += a[3] * d3[j] + c[3] * q3[j];
+      t3[j] += c[3] * x;
+    }
+    dv[j] = acc;
+  }
+}
+
+// exp in float32 from arithmetic alone, so that loops over it vectorise (std::exp does not):
+// Cephes' expf (a degree-7 polynomial on [-ln2/2, ln2/2] times 2^k; within 2 ulp of the
+// exact value), 0 below -87.3 (where float32 underflows), inf above 88, NaN kept. float64
+// takes std::exp.
+inline float exp_simd(float x) {
+  const float xc = std::min(std::max(x, -87.3f), 88.0f);
+  const float kf = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float e = p * std::bit_cast<float>((static_cast<int32_t>(kf) + 127) << 23);
+  return x != x ? x : (x < -87.3f ? 0.0f : (x > 88.0f ? std::numeric_limits<float>::infinity() : e));
+}
+inline double exp_simd(double x) { return std::exp(x); }
+
+// Softmax over the sources for a tile of `tn` (<= kTile) consecutive tokens, vectorised across
+// the tile: logits zs[i * kTile + u] of entry i (the prefix first when there is one) and token
+// u; weights into alpha (same layout). The forward's form gives the log-sum-exp too; the
+// backward's recomputes the weights from it as exp(z - lse) renormalised to sum to 1, as
+// torch_fused._weights does (to float32 rounding the forward's weights).
+constexpr int64_t kTile = 16;
+
+template <typename T>
+inline void softmax_tile(const T* zs, int64_t cnt, int64_t tn, T* alpha, T* lse) {
+  T mx[kTile], sum[kTile];
+  for (int64_t u = 0; u < tn; ++u) mx[u] = -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < cnt; ++i)
+    for (int64_t u = 0; u < tn; ++u) mx[u] = std::max(mx[u], zs[i * kTile + u]);
+  for (int64_t u = 0; u < tn; ++u) {
+    mx[u] = std::isfinite(mx[u]) ? mx[u] : T(0);
+    sum[u] = 0;
+  }
+  for (int64_t i = 0; i < cnt; ++i) {
+#pragma omp simd
+    for (int64_t u = 0; u < tn; ++u) {
+      const T e = exp_simd(zs[i * kTile + u] - mx[u]);
+      alpha[i * kTile + u] = e;
+      sum[u] += e;
+    }
+  }
+  for (int64_t u = 0; u < tn; ++u) {
+    lse[u] = mx[u] + std::log(sum[u]);
+    sum[u] = T(1) / sum[u];
+  }
+  for (int64_t i = 0; i < cnt; ++i)
+#pragma omp simd
+    for (int64_t u = 0; u < tn; ++u) alpha[i * kTile + u] *= sum[u];
+}
+
+template <typename T>
+inline void weights_tile(const T* zs, const T* lse, int64_t cnt, int64_t tn, T* alpha) {
+  T sum[kTile];
+  for (int64_t u = 0; u < tn; ++u) sum[u] = 0;
+  for (int64_t i = 0; i < cnt; ++i) {
+#pragma omp simd
+    for (int64_t u = 0; u < tn; ++u) {
+      const T e = exp_simd(zs[i * kTile + u] - lse[u]);
+      alpha[i * kTile + u] = e;
+      sum[u] += e;
+    }
+  }
+  for (int64_t u = 0; u < tn; ++u) sum[u] = T(1) / sum[u];
+  for (int64_t i = 0; i < cnt; ++i)
+#pragma omp simd
+    for (int64_t u = 0; u < tn; ++u) alpha[i * kTile + u] *= sum[u];
+}
+
+// -------------------------------------------------------------------------------------------------
+// forward
+// -------------------------------------------------------------------------------------------------
+
+std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
+    std::vector<Tensor> vals, const c10::optional<Tensor>& r_cache, const Tensor& queries_in,
+    std::vector<Tensor> prefix_h, const c10::optional<Tensor>& prefix_lse_in, double eps,
+    const c10::optional<Tensor>& out_norm_in) {
+  TORCH_CHECK(!vals.empty(), "depth attention needs at least one source");
+  const auto dt0 = queries_in.scalar_type();
+  prepare(vals, dt0);
+  prepare(prefix_h, dt0);
+  const Tensor queries = queries_in.contiguous();
+  const auto dt = queries.scalar_type();
+  const at::IntArrayRef shape = vals[0].sizes();
+  const int64_t n = vals.size(), K = queries.size(0), d = queries.size(1), m = vals[0].numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(shape.size() >= 1 && shape.back() == d, "sources must be (..., D) with the queries' D");
+  check_rows(vals, shape, dt, "sources");
+  const bool has_prefix = prefix_lse_in.has_value() && prefix_lse_in->defined();
+  const bool has_norm = out_norm_in.has_value() && out_norm_in->defined();
+  TORCH_CHECK(!has_norm || (K == 1 && !has_prefix), "a fused output norm takes one query and no prefix");
+  if (has_prefix) {
+    TORCH_CHECK((int64_t)prefix_h.size() == K, "one prefix per query");
+    check_rows(prefix_h, shape, dt, "prefix_h");
+  }
+  const Tensor prefix_lse = has_prefix ? prefix_lse_in->to(dt).contiguous() : Tensor();
+  const Tensor out_norm = has_norm ? out_norm_in->to(dt).contiguous() : Tensor();
+  const bool cached = r_cache.has_value() && r_cache->defined();
+  Tensor r = cached ? r_cache->to(dt).contiguous() : queries.new_empty(stat_shape(n, shape));
+  TORCH_CHECK(r.numel() == n * m, "r_cache: expected ", n * m, " statistics");
+  std::vector<int64_t> z_shape = stat_shape(n, shape);
+  z_shape.insert(z_shape.begin(), K);
+  Tensor z = queries.new_empty(z_shape);
+  Tensor lse = queries.new_empty(stat_shape(K, shape));
+  std::vector<Tensor> outs;
+  for (int64_t k = 0; k < K; ++k) outs.push_back(queries.new_empty(shape));
+  Tensor h = has_norm ? queries.new_empty(shape) : queries.new_empty({0});
+  Tensor hn = has_norm ? queries.new_empty(shape.slice(0, shape.size() - 1)) : queries.new_empty({0});
+  const auto src = pointers(vals), pre = pointers(prefix_h);
+  const auto outp = pointers(outs);
+
+  auto body = [&](auto tag) {
+    using T = decltype(tag);
+    const T* q = queries.data_ptr<T>();
+    T* rp = r.data_ptr<T>();
+    T* zp = z.data_ptr<T>();
+    T* lp = lse.data_ptr<T>();
+    const T* plse = has_prefix ? prefix_lse.data_ptr<T>() : nullptr;
+    const T* w = has_norm ? out_norm.data_ptr<T>() : nullptr;
+    T* hp = has_norm ? h.data_ptr<T>() : nullptr;
+    T* hnp = has_norm ? hn.data_ptr<T>() : nullptr;
+    std::vector<const T*> qrows(K);
+    for (int64_t k = 0; k < K; ++k) qrows[k] = q + k * d;
+    at::parallel_for(0, m, kGrain, [&](int64_t begin, int64_t end) {
+      const int64_t off = has_prefix ? 1 : 0, cnt = n + off;
+      // per tile: the logits zs[(k * cnt + i) * kTile + u], the weights in the same layout
+      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), zk(kGroup), lt(kTile);
+      std::vector<T*> orow(K);
+      for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+        const int64_t tn = std::min(kTile, end - t0);
+        // the logits: each source row read once for all K queries
+        for (int64_t u = 0; u < tn; ++u) {
+          const int64_t t = t0 + u;
+          for (int64_t i = 0; i < n; ++i) {
+            const T* v = static_cast<const T*>(src[i]) + t * d;
+            if (!cached) rp[i * m + t] = row_inv_rms(v, d, eps);
+            const T ri = rp[i * m + t];
+            for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+              with_group(std::min<int64_t>(kGroup, K - k0), [&](auto g) {
+                dots<decltype(g)::value>(v, qrows.data() + k0, d, zk.data());
+                for (int k = 0; k < decltype(g)::value; ++k) zs[((k0 + k) * cnt + off + i) * kTile + u] = zk[k] * ri;
+              });
+            }
+          }
+        }
+        for (int64_t k = 0; k < K; ++k) {
+          T* zk_ = zs.data() + k * cnt * kTile;
+          if (has_prefix)
+            for (int64_t u = 0; u < tn; ++u) zk_[u] = plse[k * m + t0 + u];
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t u = 0; u < tn; ++u) zp[(k * n + i) * m + t0 + u] = zk_[(off + i) * kTile + u];
+          softmax_tile(zk_, cnt, tn, alpha.data() + k * cnt * kTile, lt.data());
+          for (int64_t u = 0; u < tn; ++u) lp[k * m + t0 + u] = lt[u];
+        }
+        for (int64_t u = 0; u < tn; ++u) {
+        const int64_t t = t0 + u;
+        for (int64_t k = 0; k < K; ++k)
+          orow[k] = has_norm ? hp + t * d : static_cast<T*>(const_cast<void*>(outp[k])) + t * d;
+        // the weighted sums: each source row read once per group of queries
+        for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+          with_group(std::min<int64_t>(kGroup, K - k0), [&](auto g) {
+            constexpr int G = decltype(g)::value;
+            T a[kGroup];
+            for (int64_t i = 0; i < n; ++i) {
+              for (int k = 0; k < G; ++k) a[k] = alpha[((k0 + k) * cnt + off + i) * kTile + u];
+              const T* v = static_cast<const T*>(src[i]) + t * d;
+              if (i == 0) {
+                axpys<G, true>(v, a, orow.data() + k0, d);
+              } else {
+                axpys<G, false>(v, a, orow.data() + k0, d);
+              }
+            }
+          });
+        }
+        if (has_prefix) {
+          for (int64_t k = 0; k < K; ++k) {
+            const T a = alpha[k * cnt * kTile + u];
+            axpys<1, false>(static_cast<const T*>(pre[k]) + t * d, &a, orow.data() + k, d);
+          }
+        }
+        if (has_norm) {  // y = h * n * w from the unrounded h
+          const T* o = orow[0];
+          const T nh = T(1) / std::sqrt(dot(o, o, d) / T(d) + T(eps));
+          hnp[t] = nh;
+          T* y = static_cast<T*>(const_cast<void*>(outp[0])) + t * d;
+#pragma omp simd
+          for (int64_t j = 0; j < d; ++j) y[j] = o[j] * nh * w[j];
+        }
+        }
+      }
+    });
+  };
+  dispatch(dt, body);
+  return {outs, z, lse, r, h, hn};
+}
+
+// -------------------------------------------------------------------------------------------------
+// backward
+// -------------------------------------------------------------------------------------------------
+
+std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> backward(
+    std::vector<Tensor> vals, const Tensor& r_in, const Tensor& queries_in, const Tensor& z_in, const Tensor& lse_in,
+    const c10::optional<Tensor>& prefix_lse_in, std::vector<Tensor> outs, std::vector<c10::optional<Tensor>> d_outs,
+    const c10::optional<Tensor>& dz_ext_in, const c10::optional<Tensor>& dlse_in,
+    const c10::optional<Tensor>& out_norm_in, const c10::optional<Tensor>& h_in,
+    const c10::optional<Tensor>& h_inv_rms_in, std::vector<c10::optional<Tensor>> accumulate) {
+  prepare(vals, queries_in.scalar_type());
+  prepare(outs, queries_in.scalar_type());
+  const Tensor queries = queries_in.contiguous();
+  const auto dt = queries.scalar_type();
+  const at::IntArrayRef shape = vals[0].sizes();
+  const int64_t n = vals.size(), K = queries.size(0), d = queries.size(1), m = vals[0].numel() / std::max<int64_t>(d, 1);
+  check_rows(vals, shape, dt, "sources");
+  const Tensor r = r_in.contiguous(), z = z_in.contiguous(), lse = lse_in.contiguous();
+  TORCH_CHECK(r.numel() == n * m && z.numel() == K * n * m && lse.numel() == K * m, "statistics of the wrong size");
+  const bool has_prefix = prefix_lse_in.has_value() && prefix_lse_in->defined();
+  const bool has_norm = out_norm_in.has_value() && out_norm_in->defined();
+  const bool has_dz = dz_ext_in.has_value() && dz_ext_in->defined();
+  const bool has_dlse = dlse_in.has_value() && dlse_in->defined();
+  TORCH_CHECK((int64_t)d_outs.size() == K, "one output cotangent (or None) per query");
+  if (has_prefix) check_rows(outs, shape, dt, "outs");
+  std::vector<Tensor> dO;
+  std::vector<char> present(K);
+  for (int64_t k = 0; k < K; ++k) {
+    present[k] = d_outs[k].has_value() && d_outs[k]->defined();
+    dO.push_back(present[k] ? d_outs[k]->to(dt).contiguous() : Tensor());
+  }
+  for (int64_t k = 0; k < K; ++k)
+    if (present[k]) check_rows({dO[k]}, shape, dt, "output cotangents");
+  const Tensor prefix_lse = has_prefix ? prefix_lse_in->to(dt).contiguous() : Tensor();
+  const Tensor dz_ext = has_dz ? dz_ext_in->to(dt).contiguous() : Tensor();
+  const Tensor dlse = has_dlse ? dlse_in->to(dt).contiguous() : Tensor();
+  const Tensor out_norm = has_norm ? out_norm_in->to(dt).contiguous() : Tensor();
+  const Tensor h = has_norm ? h_in->to(dt).contiguous() : Tensor();
+  const Tensor hn = has_norm ? h_inv_rms_in->to(dt).contiguous() : Tensor();
+
+  // a source's gradient goes into a fresh tensor, or is added to the one `accumulate` names
+  // (a gradient sink: one buffer per source over all the calls that read it, where autograd
+  // would otherwise add each call's gradient to the others in a pass of its own)
+  TORCH_CHECK(accumulate.empty() || (int64_t)accumulate.size() == n, "accumulate: one entry (or None) per source");
+  std::vector<Tensor> dV, d_pre_h;
+  std::vector<char> adds(n, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!accumulate.empty() && accumulate[i].has_value() && accumulate[i]->defined()) {
+      check_rows({*accumulate[i]}, shape, dt, "accumulate");
+      dV.push_back(*accumulate[i]);
+      adds[i] = 1;
+    } else {
+      dV.push_back(queries.new_empty(shape));
+    }
+  }
+  if (has_prefix)
+    for (int64_t k = 0; k < K; ++k) d_pre_h.push_back(queries.new_empty(shape));
+  Tensor d_pre_lse = has_prefix ? queries.new_empty(stat_shape(K, shape)) : queries.new_empty({0});
+  const int64_t nthreads = at::get_num_threads();
+  // per thread: K * D query-gradient sums, then D norm-weight sums, in float64
+  std::vector<double> acc(nthreads * (K + 1) * d, 0.0);
+  const auto src = pointers(vals), ops = pointers(outs), dop = pointers(dO), dvp = pointers(dV),
+             dph = pointers(d_pre_h);
+
+  auto body = [&](auto tag) {
+    using T = decltype(tag);
+    const T* q = queries.data_ptr<T>();
+    const T* rp = r.data_ptr<T>();
+    const T* zp = z.data_ptr<T>();
+    const T* lp = lse.data_ptr<T>();
+    const T* plse = has_prefix ? prefix_lse.data_ptr<T>() : nullptr;
+    const T* dzp = has_dz ? dz_ext.data_ptr<T>() : nullptr;
+    const T* dlp = has_dlse ? dlse.data_ptr<T>() : nullptr;
+    const T* w = has_norm ? out_norm.data_ptr<T>() : nullptr;
+    const T* hp = has_norm ? h.data_ptr<T>() : nullptr;
+    const T* hnp = has_norm ? hn.data_ptr<T>() : nullptr;
+    T* dpl = has_prefix ? d_pre_lse.data_ptr<T>() : nullptr;
+    at::parallel_for(0, m, kGrain, [&](int64_t begin, int64_t end) {
+      const int64_t off = has_prefix ? 1 : 0, cnt = n + off;
+      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), lt(kTile), g(K * n), dz(K * n), dobuf(d),
+          zero(d, T(0)), gk(kGroup);
+      std::vector<T> tq((K + 1) * d, T(0));  // this thread's query / norm-weight sums since the last flush
+      std::vector<const T*> dorow(K);
+      double* mine = acc.data() + at::get_thread_num() * (K + 1) * d;
+      auto flush = [&] {  // into this thread's float64 sums every kGrain tokens
+        for (int64_t j = 0; j < (K + 1) * d; ++j) mine[j] += tq[j];
+        std::fill(tq.begin(), tq.end(), T(0));
+      };
+      for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+        const int64_t tn = std::min(kTile, end - t0);
+        if (t0 > begin && (t0 - begin) % kGrain == 0) flush();
+        for (int64_t k = 0; k < K; ++k) {  // the weights, as the forward computed them
+          T* zk_ = zs.data() + k * cnt * kTile;
+          if (has_prefix)
+            for (int64_t u = 0; u < tn; ++u) zk_[u] = plse[k * m + t0 + u];
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t u = 0; u < tn; ++u) zk_[(off + i) * kTile + u] = zp[(k * n + i) * m + t0 + u];
+          for (int64_t u = 0; u < tn; ++u) lt[u] = lp[k * m + t0 + u];
+          weights_tile(zk_, lt.data(), cnt, tn, alpha.data() + k * cnt * kTile);
+        }
+        for (int64_t u = 0; u < tn; ++u) {
+        const int64_t t = t0 + u;
+        for (int64_t k = 0; k < K; ++k) {
+          const T* dy = present[k] ? static_cast<const T*>(dop[k]) + t * d : zero.data();
+          if (has_norm) {  // from the cotangent of y = h * n * w to that of h (K == 1)
+            const T* hr = hp + t * d;
+            const T nh = hnp[t];
+            T* db = dobuf.data();
+            T* tw = tq.data() + K * d;
+            T s = 0;
+#pragma omp simd reduction(+ : s)
+            for (int64_t j = 0; j < d; ++j) {
+              const T wdy = dy[j] * w[j];
+              tw[j] += nh * dy[j] * hr[j];
+              db[j] = wdy;
+              s += wdy * hr[j];
+            }
+            const T c = nh * nh * nh / T(d) * s;
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) db[j] = db[j] * nh - c * hr[j];
+            dorow[k] = db;
+          } else {
+            dorow[k] = dy;
+          }
+        }
+        // g_ki = dO_k . v_i: each source row read once per group of queries
+        for (int64_t i = 0; i < n; ++i) {
+          const T* v = static_cast<const T*>(src[i]) + t * d;
+          for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+            with_group(std::min<int64_t>(kGroup, K - k0), [&](auto gr) {
+              dots<decltype(gr)::value>(v, dorow.data() + k0, d, gk.data());
+              for (int k = 0; k < decltype(gr)::value; ++k) g[(k0 + k) * n + i] = gk[k];
+            });
+          }
+        }
+        for (int64_t k = 0; k < K; ++k) {
+          const T* a = alpha.data() + (k * cnt + off) * kTile + u;  // a[i * kTile]: source i's weight
+          T ag = 0;
+          for (int64_t i = 0; i < n; ++i) ag += a[i * kTile] * g[k * n + i];
+          const T P = has_prefix ? dot(dorow[k], static_cast<const T*>(ops[k]) + t * d, d) : ag;
+          const T dl = has_dlse ? dlp[k * m + t] : T(0);
+          for (int64_t i = 0; i < n; ++i) {
+            T v = a[i * kTile] * (g[k * n + i] - P) + a[i * kTile] * dl;
+            if (has_dz) v += dzp[(k * n + i) * m + t];
+            dz[k * n + i] = v;
+          }
+          if (has_prefix) {
+            const T ap = alpha[k * cnt * kTile + u];
+            dpl[k * m + t] = P - ag - ap * P + ap * dl;
+            T* o = static_cast<T*>(const_cast<void*>(dph[k])) + t * d;
+            const T* dor = dorow[k];
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) o[j] = ap * dor[j];
+          }
+        }
+        // dv_i = c_i v_i + sum_k (alpha_ki dO_k + dz_ki r_i q_k): each source row read once
+        for (int64_t i = 0; i < n; ++i) {
+          const T* v = static_cast<const T*>(src[i]) + t * d;
+          const T ri = rp[i * m + t];
+          T cz = 0;
+          for (int64_t k = 0; k < K; ++k) cz += dz[k * n + i] * zp[(k * n + i) * m + t];
+          const T c = -cz * ri * ri / T(d);
+          T* o = static_cast<T*>(const_cast<void*>(dvp[i])) + t * d;
+          if (adds[i]) {
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) o[j] += c * v[j];
+          } else {
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) o[j] = c * v[j];
+          }
+          for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+            with_group(std::min<int64_t>(kGroup, K - k0), [&](auto gr) {
+              constexpr int G = decltype(gr)::value;
+              T a[kGroup], cr[kGroup];
+              for (int k = 0; k < G; ++k) {
+                a[k] = alpha[((k0 + k) * cnt + off + i) * kTile + u];
+                cr[k] = dz[(k0 + k) * n + i] * ri;
+              }
+              dv_terms<G>(o, v, dorow.data() + k0, q + k0 * d, a, cr, tq.data() + k0 * d, d);
+            });
+          }
+        }
+        }
+      }
+      flush();
+    });
+  };
+  dispatch(dt, body);
+  Tensor d_q = at::zeros({K, d}, queries.options().dtype(at::kDouble));
+  Tensor d_w = at::zeros({has_norm ? d : 0}, queries.options().dtype(at::kDouble));
+  double* dqp = d_q.data_ptr<double>();
+  double* dwp = d_w.data_ptr<double>();
+  for (int64_t th = 0; th < nthreads; ++th) {
+    const double* a = acc.data() + th * (K + 1) * d;
+    for (int64_t j = 0; j < K * d; ++j) dqp[j] += a[j];
+    if (has_norm)
+      for (int64_t j = 0; j < d; ++j) dwp[j] += a[K * d + j];
+  }
+  return {dV, d_q.to(dt), d_pre_h, d_pre_lse, d_w.to(dt)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnres_cpu, lib) {
+  lib.def(
+      "forward(Tensor[] vals, Tensor? r_cache, Tensor queries, Tensor[] prefix_h, Tensor? prefix_lse, float eps, "
+      "Tensor? out_norm) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
+  lib.def(
+      "backward(Tensor[] vals, Tensor r, Tensor queries, Tensor z, Tensor lse, Tensor? prefix_lse, Tensor[] outs, "
+      "Tensor?[] d_outs, Tensor? dz_ext, Tensor? dlse, Tensor? out_norm, Tensor? h, Tensor? h_inv_rms, "
+      "Tensor?[] accumulate) -> "
+      "(Tensor[], Tensor, Tensor[], Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnres_cpu, CPU, lib) {
+  lib.impl("forward", &forward);
+  lib.impl("backward", &backward);
+}

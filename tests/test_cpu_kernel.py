@@ -1,0 +1,118 @@
+"""The fused CPU kernel's machinery (`attnres/ops/cpu_fused.py`): the gradient sink the
+strategies' passes use, the build (its cache name, a killed build's lock) and the fallback to
+the plain-PyTorch path when it cannot be built. Its numerics against the reference are in
+tests/test_kernels.py, with the other implementations."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from attnres import BlockAttentionResidual, FullAttentionResidual, Transformer
+from attnres.functional import resolve_kernel
+from attnres.ops import cpu_fused
+
+pytestmark = [
+    pytest.mark.usefixtures("torch_single_thread"),
+    pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="needs a C++ compiler"),
+]
+
+
+def _model(strategy, kernel, **kw):
+    torch.manual_seed(0)
+    m = Transformer(vocab_size=40, n_layer=3, n_head=2, n_embd=16, block_size=8,
+                    residual=functools.partial(strategy, kernel=kernel, **kw)).double()
+    with torch.no_grad():
+        m.residual.pseudo_query.normal_(0.0, 0.5)  # weights far from uniform
+    return m
+
+
+def _grads(model, idx, passes=1):
+    loss = model(idx, targets=idx)["loss"]
+    for i in range(passes):
+        loss.backward(retain_graph=i + 1 < passes)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy,kw", [(BlockAttentionResidual, {"num_blocks": 3}),
+                                         (BlockAttentionResidual, {"num_blocks": 6, "output_aggregation": False}),
+                                         (FullAttentionResidual, {})], ids=["block3", "block6-noagg", "full"])
+def test_sink_gives_autograds_gradients_and_resets_between_backwards(strategy, kw, rel_err):
+    """The sink (each call adds its source gradients into one buffer per source) gives the
+    reference path's gradients; a second backward through the retained graph adds the same
+    again (the sink is emptied as autograd hands each sum on, nothing is counted twice)."""
+    idx = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert resolve_kernel("auto", torch.zeros(1, dtype=torch.float64)) == "cpu"
+    want = _grads(_model(strategy, "naive", **kw), idx)
+    got = _grads(_model(strategy, "cpu", **kw), idx)
+    twice = _grads(_model(strategy, "cpu", **kw), idx, passes=2)
+    assert set(got) == set(want)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-12, name
+        assert rel_err(twice[name], 2 * want[name]) < 1e-12, name
+
+
+def test_sink_only_for_sources_that_need_gradients(rel_err):
+    """A frozen embedding (no gradient) is not tracked: only the sublayers' sums go to the sink."""
+    from attnres.functional import SourceStack
+
+    e = torch.randn(2, 3, 8, dtype=torch.float64)  # no gradient
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    stack = SourceStack(e, 3, 1e-6, "cpu")
+    stack.append(e @ w)
+    _, r, (sink, slots) = stack.take()
+    assert r is None and slots == [None, 1] and isinstance(sink, cpu_fused.GradSink)
+    with torch.no_grad():
+        assert SourceStack(e, 2, 1e-6, "cpu").take()[2] is None  # no gradients, no sink
+
+
+def test_build_name_follows_source_flags_torch_and_cpu(monkeypatch):
+    name = cpu_fused._build_name(["-O3"])
+    assert name.startswith("attnres_cpu_") and name == cpu_fused._build_name(["-O3"])
+    assert cpu_fused._build_name(["-O2"]) != name
+    monkeypatch.setattr(cpu_fused, "_cpu_features", lambda: "flags : sse2")
+    assert cpu_fused._build_name(["-O3"]) != name  # another CPU never loads this binary
+
+
+def test_a_killed_builds_lock_is_removed_a_live_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_fused._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running now
+    old = time.time() - cpu_fused._STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_fused._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """`available()` as on first use: nothing built or loaded yet in this process's view."""
+    monkeypatch.setattr(cpu_fused, "_state", {})
+    return monkeypatch
+
+
+def test_failed_build_falls_back_with_one_warning(fresh_state):
+    def broken():
+        raise RuntimeError("Error building extension 'x': [1/2] c++ ...\n"
+                           "foo.cpp:1:10: fatal error: Python.h: missing\n")
+
+    fresh_state.setattr(cpu_fused, "_build", broken)
+    cpu = torch.zeros(1)
+    with pytest.warns(RuntimeWarning, match=r"could not be built \(foo.cpp:1:10: fatal error: Python.h: missing\)"):
+        assert resolve_kernel("auto", cpu) == "torch"
+    with pytest.raises(ValueError, match="kernel='cpu': the C\\+\\+ kernel could not be built .*use kernel='torch'"):
+        resolve_kernel("cpu", cpu)
+    s = BlockAttentionResidual(8, 4, num_blocks=2)  # the strategies take the plain-PyTorch path, same results
+    assert s.fast_kernel(cpu) == "torch"
+
+
+def test_environment_switch_turns_it_off(fresh_state):
+    fresh_state.setenv("ATTNRES_CPU_KERNEL", "0")
+    assert resolve_kernel("auto", torch.zeros(1)) == "torch"
+    assert "ATTNRES_CPU_KERNEL=0" in cpu_fused.load_error()
