@@ -7,6 +7,11 @@
 // models (D ~ 100) those passes, not the arithmetic, are the cost of AttnRes over a standard
 // residual (experiments/BENCHMARKS.md, "Small models on CPU").
 //
+// Tokens go in tiles of kTile: the softmax of a tile is vectorised across its tokens (exp from
+// arithmetic, `exp_simd`), everything else per token across D. Backward, a source's gradient
+// is written fresh or added into a buffer the caller passes (`accumulate`: the gradient sink
+// of cpu_fused.py, one buffer per source over all the calls that read it).
+//
 // Built on first use by attnres/ops/cpu_fused.py (torch.utils.cpp_extension); float32 and
 // float64, the compute dtype of the sources (half sources take the PyTorch path). Tokens are
 // split over ATen's intra-op threads; the query and norm-weight gradients are summed per
@@ -218,49 +223,41 @@ inline double exp_simd(double x) { return std::exp(x); }
 // torch_fused._weights does (to float32 rounding the forward's weights).
 constexpr int64_t kTile = 16;
 
+// alpha = exp(zs - shift[u]) per token u, normalised to sum to 1 over the cnt entries; `sum`
+// gets the sums of the exponentials
+template <typename T>
+inline void normalised_exp(const T* zs, const T* shift, int64_t cnt, int64_t tn, T* alpha, T* sum) {
+  for (int64_t u = 0; u < tn; ++u) sum[u] = 0;
+  for (int64_t i = 0; i < cnt; ++i) {
+#pragma omp simd
+    for (int64_t u = 0; u < tn; ++u) {
+      const T e = exp_simd(zs[i * kTile + u] - shift[u]);
+      alpha[i * kTile + u] = e;
+      sum[u] += e;
+    }
+  }
+  T inv[kTile];
+  for (int64_t u = 0; u < tn; ++u) inv[u] = T(1) / sum[u];
+  for (int64_t i = 0; i < cnt; ++i)
+#pragma omp simd
+    for (int64_t u = 0; u < tn; ++u) alpha[i * kTile + u] *= inv[u];
+}
+
 template <typename T>
 inline void softmax_tile(const T* zs, int64_t cnt, int64_t tn, T* alpha, T* lse) {
   T mx[kTile], sum[kTile];
   for (int64_t u = 0; u < tn; ++u) mx[u] = -std::numeric_limits<T>::infinity();
   for (int64_t i = 0; i < cnt; ++i)
     for (int64_t u = 0; u < tn; ++u) mx[u] = std::max(mx[u], zs[i * kTile + u]);
-  for (int64_t u = 0; u < tn; ++u) {
-    mx[u] = std::isfinite(mx[u]) ? mx[u] : T(0);
-    sum[u] = 0;
-  }
-  for (int64_t i = 0; i < cnt; ++i) {
-#pragma omp simd
-    for (int64_t u = 0; u < tn; ++u) {
-      const T e = exp_simd(zs[i * kTile + u] - mx[u]);
-      alpha[i * kTile + u] = e;
-      sum[u] += e;
-    }
-  }
-  for (int64_t u = 0; u < tn; ++u) {
-    lse[u] = mx[u] + std::log(sum[u]);
-    sum[u] = T(1) / sum[u];
-  }
-  for (int64_t i = 0; i < cnt; ++i)
-#pragma omp simd
-    for (int64_t u = 0; u < tn; ++u) alpha[i * kTile + u] *= sum[u];
+  for (int64_t u = 0; u < tn; ++u) mx[u] = std::isfinite(mx[u]) ? mx[u] : T(0);
+  normalised_exp(zs, mx, cnt, tn, alpha, sum);
+  for (int64_t u = 0; u < tn; ++u) lse[u] = mx[u] + std::log(sum[u]);
 }
 
 template <typename T>
 inline void weights_tile(const T* zs, const T* lse, int64_t cnt, int64_t tn, T* alpha) {
   T sum[kTile];
-  for (int64_t u = 0; u < tn; ++u) sum[u] = 0;
-  for (int64_t i = 0; i < cnt; ++i) {
-#pragma omp simd
-    for (int64_t u = 0; u < tn; ++u) {
-      const T e = exp_simd(zs[i * kTile + u] - lse[u]);
-      alpha[i * kTile + u] = e;
-      sum[u] += e;
-    }
-  }
-  for (int64_t u = 0; u < tn; ++u) sum[u] = T(1) / sum[u];
-  for (int64_t i = 0; i < cnt; ++i)
-#pragma omp simd
-    for (int64_t u = 0; u < tn; ++u) alpha[i * kTile + u] *= sum[u];
+  normalised_exp(zs, lse, cnt, tn, alpha, sum);
 }
 
 // -------------------------------------------------------------------------------------------------
