@@ -6,9 +6,11 @@ tests/test_kernels.py, with the other implementations."""
 from __future__ import annotations
 
 import functools
-import os
 import shutil
-import time
+import signal
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -79,15 +81,28 @@ def test_build_name_follows_source_flags_torch_and_cpu(monkeypatch):
     assert cpu_fused._build_name(["-O3"]) != name  # another CPU never loads this binary
 
 
-def test_a_killed_builds_lock_is_removed_a_live_one_kept(tmp_path):
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    cpu_fused._clear_stale_lock(tmp_path)
-    assert lock.exists()  # a build may be running now
-    old = time.time() - cpu_fused._STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    cpu_fused._clear_stale_lock(tmp_path)
-    assert not lock.exists()
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_a_killed_build_blocks_nothing(tmp_path):
+    """A build killed while it holds the lock: the system releases it, the next process gets it
+    at once and removes the lock file torch's build left behind (else torch waits for ever)."""
+    (tmp_path / "lock").write_text("")  # what torch's killed build leaves
+    code = ("import sys, time; from pathlib import Path; from attnres.ops import cpu_fused\n"
+            "with cpu_fused._exclusive(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not (tmp_path / "lock").exists()  # the holder cleared it
+        (tmp_path / "lock").write_text("")  # and is killed mid-build, leaving torch's again
+        waiter = threading.Thread(target=lambda: cpu_fused._exclusive(tmp_path).__enter__())
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive()  # the live holder keeps others out
+        holder.send_signal(signal.SIGKILL)
+        waiter.join(10.0)
+        assert not waiter.is_alive() and not (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.fixture

@@ -17,14 +17,14 @@ takes the plain-PyTorch path, which gives the same results more slowly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import sys
 import threading
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -37,7 +37,6 @@ __all__ = ["DTYPES", "GradSink", "available", "fused_depth_attention", "inv_rms"
 DTYPES = (torch.float32, torch.float64)
 CACHED_STATISTICS = False  # `SourceStack` keeps no key statistics: the kernel computes them in passing
 SOURCE = Path(__file__).with_name("csrc") / "depth_attention_cpu.cpp"
-_STALE_LOCK_S = 600  # a build lock older than this was left by a killed build
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -66,15 +65,25 @@ def _build_name(flags: Sequence[str]) -> str:
     return "attnres_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """torch's build lock stays behind when a build is killed, and every later build waits on
-    it for ever: remove one older than any real build takes."""
-    lock = build_dir / "lock"
+@contextlib.contextmanager
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    """One attnres process at a time builds or loads in `build_dir` (the workers of a sweep
+    start together). An flock, which the system releases when its holder dies: torch's own
+    lock file stays behind when a build is killed, and every later build would wait on it for
+    ever, so whoever holds this lock removes that file. Without flock (Windows), torch's lock
+    alone."""
     try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
-    except OSError:
-        pass
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(build_dir / "attnres.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)  # no build is running: it is a killed one's
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _build() -> None:
@@ -91,13 +100,12 @@ def _build() -> None:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = Path(root) / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    so = build_dir / f"{name}.so"
-    if not so.exists():
-        _clear_stale_lock(build_dir)
-        print("attnres: compiling the fused CPU depth-attention kernel (once per machine, about 30 s; "
-              "residual.kernel=torch skips it)", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
-                       build_directory=str(build_dir), verbose=False)
+    with _exclusive(build_dir):
+        if not (build_dir / f"{name}.so").exists():
+            print("attnres: compiling the fused CPU depth-attention kernel (once per machine, about 30 s; "
+                  "residual.kernel=torch skips it)", file=sys.stderr, flush=True)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
+                           build_directory=str(build_dir), verbose=False)
     torch.ops.attnres_cpu.forward  # noqa: B018  (raises if the library did not register)
     _register_fakes()
 
