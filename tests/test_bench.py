@@ -40,7 +40,7 @@ def test_bench_writes_every_figure(bench, tmp_path, capsys):
         assert row["peak_train_bytes"] is None  # not measured on CPU
         assert results["saved_for_backward_bytes"][name] > 0
     op = results["op"]
-    assert op["sources"] == 3 and set(op["kernels"]) == {"naive", "torch"}
+    assert op["sources"] == 3 and set(op["kernels"]) == {"naive", "torch"} | ({"cpu"} if fast == "cpu" else set())
     assert all(r["forward"]["vs_floor"] > 0 for r in op["kernels"].values())
     printed = capsys.readouterr().out
     assert "activations saved for backward" in printed and "block" in printed and "x floor" in printed

@@ -182,15 +182,35 @@ def test_op_output_norm_matches_reference(kernel, device, dtype, S, B, T, D, rel
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_op_extreme_magnitudes(kernel, device, dtype, magnitude, rel_err, ref_depth_attention, rounded_once):
     """Squares of 1e30 overflow float32: the statistics rescale rows (naive.py always does; the
-    Triton kernels when the sum of squares comes out infinite, which the interpreter warns of)."""
+    Triton kernels when the sum of squares comes out infinite, which the interpreter warns of).
+    The gradients too: r^2 (and the output norm's n^3) under- or overflow there, so the backward
+    must form its products in an order whose factors stay in range."""
     srcs, q, g = sources_and_params(3, 1, 4, 16, torch.float64, "cpu", seed=4)
-    srcs = [(s.detach() * magnitude).to(device=device, dtype=dtype) for s in srcs]
+    srcs = [(s.detach() * magnitude).to(device=device, dtype=dtype).requires_grad_() for s in srcs]
     q, g = q.detach().float().to(device), g.detach().float().to(device)
     h, w = depth_attention(srcs, q, g, kernel=kernel)
-    ref_h, ref_w = ref_depth_attention(upcast(srcs), q.double().cpu(), g.double().cpu())
+    ref_srcs = upcast(srcs)
+    ref_h, ref_w = ref_depth_attention(ref_srcs, q.double().cpu(), g.double().cpu())
     assert torch.isfinite(h).all()
     rounded_once(w, ref_w, dtype)
     assert rel_err(h.cpu(), ref_h) < TOL[dtype]
+    (cot,) = cotangents_for([ref_h], seed=5)
+    got = grads_of([h], [cot / magnitude], srcs)  # gradients of order 1
+    want = grads_of([ref_h], [cot / magnitude], ref_srcs)
+    assert_close(rel_err, got, want, 10 * TOL[dtype], "source gradients")
+    # the fused output norm's backward has n^3 = 1 / rms(h)^3, which underflows float32 from
+    # |h| ~ 1e13 while h^2 is still finite (past ~1e19 the forward's statistic overflows, as a
+    # plain float32 RMSNorm's does)
+    srcs = [(s.detach().double() * (1e15 / magnitude)).to(dtype).requires_grad_() for s in srcs]
+    ref_srcs = upcast(srcs)
+    wn = torch.linspace(0.5, 1.5, 16, device=device)
+    y, _ = depth_attention(srcs, q, g, kernel=kernel, output_norm_weight=wn)
+    ref_h, _ = ref_depth_attention(ref_srcs, q.double().cpu(), g.double().cpu())
+    ref_y = ref_h * torch.rsqrt(ref_h.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * wn.double().cpu()
+    got = grads_of([y], [cot], srcs)
+    want = grads_of([ref_y], [cot], ref_srcs)
+    assert rel_err(y.cpu(), ref_y) < 10 * TOL[dtype]
+    assert_close(rel_err, got, want, 10 * TOL[dtype], "source gradients with the output norm")
 
 
 # Gaps below each token's largest logit (about 134, where a float32 ulp is 1.5e-5), one kind per

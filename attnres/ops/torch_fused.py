@@ -187,7 +187,8 @@ def depth_attention_backward(
         hn = h_inv_rms.reshape(-1, 1)  # (M, 1)
         d_out_norm = (d_o[0] * h * hn).sum(dim=0)
         wdy = d_o[0] * out_norm
-        d_o[0] = wdy * hn - (hn.pow(3) / d) * torch.linalg.vecdot(wdy, h).unsqueeze(-1) * h
+        # n^3 / D (wdy . h) h as (n (wdy . h) n / D) (n h): n^3 alone under- or overflows
+        d_o[0] = wdy * hn - (hn * torch.linalg.vecdot(wdy, h).unsqueeze(-1) * hn / d) * (h * hn)
 
     # per token, dO_k . v_i: (K, n, M), through one (M, D) scratch. Per source, not over all n at
     # once: a fresh (n, M, D) temporary per call costs more in page faults than its arithmetic
@@ -213,7 +214,10 @@ def depth_attention_backward(
             d_prefix_lse = d_prefix_lse + a_pre * dlse.reshape(K, -1)
         d_prefix_h = [d_o[k] * a_pre[k].unsqueeze(-1) for k in range(K)]
     dzr = (dz * r.unsqueeze(0)).permute(1, 2, 0).contiguous()  # (n, M, K)
-    c = (-(dz * z).sum(dim=0) * r.square() / d).unsqueeze(-1)  # (n, M, 1): the derivative through r_i
+    # the derivative through r_i, c_i (r_i v_i) with c_i = -(sum_k dz_ki z_ki) r_i / D: r_i^2 alone
+    # under- or overflows for |v| beyond ~1e19 or below ~1e-19 in float32, (r_i v_i) and c_i do not
+    c = (-(dz * z).sum(dim=0) * r / d).unsqueeze(-1)  # (n, M, 1)
+    r_col = r.unsqueeze(-1)  # (n, M, 1)
     a_col = a_src.unsqueeze(-1)  # (K, n, M, 1)
     # dv_i = sum_k alpha_ki dO_k + r_i sum_k dz_ki q_k + c_i v_i, one (M, D) tensor per source (as
     # autograd accumulates them), in place
@@ -222,7 +226,7 @@ def depth_attention_backward(
         dv = d_o[0] * a_col[0, i]
         for k in range(1, K):
             dv.addcmul_(d_o[k], a_col[k, i])
-        dV.append(dv.addmm_(dzr[i], queries).addcmul_(vals[i], c[i]))
+        dV.append(dv.addmm_(dzr[i], queries).addcmul_(torch.mul(vals[i], r_col[i], out=scratch), c[i]))
     d_q = dzr.view(-1, K).T @ vals.reshape(-1, d)  # (K, D): one product over all sources
     return dV, d_q, d_prefix_h, d_prefix_lse, d_out_norm
 
@@ -368,7 +372,9 @@ class _MergeOne(torch.autograd.Function):
         dz = a_p * (torch.linalg.vecdot(do, pr) - torch.linalg.vecdot(do, hr))  # (M,)
         dzr = dz * r
         dp = do * a_p.unsqueeze(-1)
-        dp.addmm_(dzr.unsqueeze(-1), query.unsqueeze(0)).addcmul_(pr, (-(dz * zp) * r.square() / d).unsqueeze(-1))
+        # the derivative through r_p as (r_p p) times -(dz z_p) r_p / D: r_p^2 alone under- or overflows
+        c = (-(dz * zp) * r / d).unsqueeze(-1)
+        dp.addmm_(dzr.unsqueeze(-1), query.unsqueeze(0)).addcmul_(pr * r.unsqueeze(-1), c)
         d_acc = (do * w.unsqueeze(-1)).view(shape).to(dtype)
         d_q = torch.mv(pr.T, dzr)
         return d_acc, (-dz).view(ctx.lse_shape), dp.view(shape).to(dtype), d_q, None

@@ -239,7 +239,8 @@ def _bwd_kernel(
             w = tl.load(on_ptr + c3, mask=c3 < D, other=0.0)  # (1, 1, BD)
             dw += tl.sum(d_o * hv * hn, axis=1, keep_dims=True)
             wdy = w * d_o
-            d_o = hn * wdy - (hn * hn * hn / D) * tl.sum(wdy * hv, axis=2, keep_dims=True) * hv
+            # n^3 / D (wdy . h) h as (n (wdy . h) n / D) (n h): n^3 alone under- or overflows
+            d_o = hn * wdy - (hn * tl.sum(wdy * hv, axis=2, keep_dims=True) * hn / D) * (hn * hv)
         lse = tl.load(lse_ptr + kz, mask=zmask, other=0.0)
         if HAS_DLSE:
             dlse = tl.load(dlse_ptr + kz, mask=zmask, other=0.0)
@@ -291,8 +292,12 @@ def _bwd_kernel(
             if HAS_DZ:
                 dz += tl.load(dz_ptr + zoff, mask=zmask, other=0.0)
             dzr = dz * r
-            c = -tl.sum(dz * z, axis=0, keep_dims=True) * r * r / D  # (1, BM): the derivative through r
-            dv = tl.sum(alpha[:, :, None] * d_o + dzr[:, :, None] * q, axis=0, keep_dims=True) + c[:, :, None] * v
+            # the derivative through r, c r v with c = -(sum dz z) r / D: r^2 alone under- or overflows
+            # for |v| beyond ~1e19 or below ~1e-19, (r v) and c do not
+            c = -tl.sum(dz * z, axis=0, keep_dims=True) * r / D  # (1, BM)
+            dv = tl.sum(alpha[:, :, None] * d_o + dzr[:, :, None] * q, axis=0, keep_dims=True) + c[:, :, None] * (
+                v * r[:, :, None]
+            )
             d_src = _pick(d_srcs, i)
             if ACCUMULATE:
                 dv += tl.load(d_src + offs, mask=mask, other=0.0).to(tl.float32)

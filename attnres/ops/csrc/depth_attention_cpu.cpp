@@ -503,9 +503,10 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
               db[j] = wdy;
               s += wdy * hr[j];
             }
-            const T c = nh * nh * nh / T(d) * s;
+            // n^3 / D (wdy . h) h as (n (wdy . h) n / D) (n h): n^3 alone under- or overflows
+            const T c = nh * s * nh / T(d);
 #pragma omp simd
-            for (int64_t j = 0; j < d; ++j) db[j] = db[j] * nh - c * hr[j];
+            for (int64_t j = 0; j < d; ++j) db[j] = db[j] * nh - c * (hr[j] * nh);
             dorow[k] = db;
           } else {
             dorow[k] = dy;
@@ -547,14 +548,16 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
           const T ri = rp[i * m + t];
           T cz = 0;
           for (int64_t k = 0; k < K; ++k) cz += dz[k * n + i] * zp[(k * n + i) * m + t];
-          const T c = -cz * ri * ri / T(d);
+          // the derivative through r_i, c (r_i v_i) with c = -cz r_i / D: r_i^2 alone under- or
+          // overflows for |v| beyond ~1e19 or below ~1e-19 in float32, (r_i v_i) and c do not
+          const T c = -cz * ri / T(d);
           T* o = static_cast<T*>(const_cast<void*>(dvp[i])) + t * d;
           if (adds[i]) {
 #pragma omp simd
-            for (int64_t j = 0; j < d; ++j) o[j] += c * v[j];
+            for (int64_t j = 0; j < d; ++j) o[j] += c * (v[j] * ri);
           } else {
 #pragma omp simd
-            for (int64_t j = 0; j < d; ++j) o[j] = c * v[j];
+            for (int64_t j = 0; j < d; ++j) o[j] = c * (v[j] * ri);
           }
           for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
             with_group(std::min<int64_t>(kGroup, K - k0), [&](auto gr) {
