@@ -363,7 +363,7 @@ class SourceStack:
         if statistics and self._statistics:
             self._inv_rms.append(key_inv_rms(source, self.eps, self.kernel))
 
-    def take(self, a: int = 0, b: int | None = None) -> tuple[list[Tensor], Tensor | None, Tensor | None]:
+    def take(self, a: int = 0, b: int | None = None) -> tuple[list[Tensor], Tensor | None, Tensor | tuple | None]:
         b = len(self.sources) if b is None else b
         stacked = None if self._values is None else self._values[a:b]
         if self._sink is not None:

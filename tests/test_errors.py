@@ -304,7 +304,7 @@ def _with(cfg, **values):
     ({"model__n_head": 32}, "model.n_embd=32 must split into model.n_head=32"),
     ({"model__dropout": 1.0}, "model.dropout=1.0"),
     ({"model__mlp": "relu"}, "gelu, swiglu"),
-    ({"residual__kernel": "trit"}, "auto, torch, triton, naive"),
+    ({"residual__kernel": "trit"}, "auto, triton, cpu, torch, naive"),
     ({"trainer__max_steps": -1}, "optim.total_steps"),
     ({"trainer__max_steps": 1e3}, "trainer.max_steps=1000.0 is not an integer"),
     ({"trainer__val_check_interval": 0.5}, "trainer.val_check_interval=0.5 is not an integer"),
