@@ -163,6 +163,21 @@ def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "out").iterdir()) == []  # no output files, no temporary folder
 
 
+def _die(task):
+    os._exit(9)  # as the OOM killer would end a worker
+
+
+@pytest.mark.timeout(120)
+def test_a_dying_worker_stops_the_run_with_an_error(tmp_path):
+    src = corpus(tmp_path / "src")
+    run(src, tmp_path / "out", vocab_size=300, workers=1)
+    args = ((tmp_path / "out" / "tokenizer.json").read_text(), None, "text", 0.3, "uint16")
+    tasks = prep.make_tasks(prep.list_source(str(src), None)[1], 0.3)
+    assert len(list(prep._results(tasks, 2, args))) == len(tasks)  # the workers start and encode
+    with pytest.raises(RuntimeError, match="an encoding worker died"):
+        list(prep._results(tasks, 2, args, encode=_die))
+
+
 def test_command_line_exit_status(tmp_path):
     src = corpus(tmp_path / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

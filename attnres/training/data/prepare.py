@@ -36,16 +36,20 @@ import signal
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from attnres.training.data import corpus
-from attnres.training.data.tokens import HEADER_BYTES, shard_header
+from attnres.training.data.shards import HEADER_BYTES, shard_header
 from attnres.training.errors import ConfigError
 
 log = logging.getLogger("attnres.prepare")
@@ -197,11 +201,21 @@ def _doc_split(data: bytes) -> str:
 _WORKER: dict = {}
 
 
+def _exit_with(parent: int) -> None:
+    """A worker's watch: exit once `parent` is gone (a SIGKILLed parent closes nothing, and the pool's
+    queues keep both ends of their pipes open in every worker, so nothing else would tell it)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def _init_worker(tokenizer_json: str, eot_id: int | None, text_field: str, val_fraction: float,
                  dtype: str) -> None:
     global _VAL_FRACTION
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+    if multiprocessing.parent_process() is not None:  # a worker process: end with the parent, even a killed one
+        threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     from tokenizers import Tokenizer
 
     _VAL_FRACTION = val_fraction
@@ -354,7 +368,6 @@ def prepare(src: str, out_dir: str, vocab_size: int | None = None, tokenizer: st
                    disable=None if progress is None else not progress)  # None: only on a terminal
         start = time.perf_counter()
         args = (tok.to_str(), eot_id, text_field, val_fraction, dtype)
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # set before forking: tokenizers' threads and fork do not mix
         for task, result in zip(tasks, _results(tasks, workers, args), strict=True):
             if result["skipped"]:
                 skipped.add(task.rel)
@@ -415,14 +428,41 @@ def prepare(src: str, out_dir: str, vocab_size: int | None = None, tokenizer: st
     return meta
 
 
-def _results(tasks: list[Task], workers: int, args: tuple) -> Iterator[dict]:
+def _results(tasks: list[Task], workers: int, args: tuple, encode=None) -> Iterator[dict]:
+    """encode(task) (default `encode_task`) for each task, in order. Several workers: fresh (spawned)
+    processes, so nothing of this process's threads or locks is copied into them (a fork of a
+    threaded process can hang); at most 2 tasks per worker in flight, so finished results never
+    pile up in memory; a worker that dies (killed, out of memory) stops the run with an error
+    instead of leaving it waiting forever; workers exit when the parent does, even a killed one."""
     if workers == 1:
         _init_worker(*args)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # in this process Ctrl-C must still stop it
-        yield from map(encode_task, tasks)
+        yield from map(encode or encode_task, tasks)
         return
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=args) as pool:
-        yield from pool.imap(encode_task, tasks, chunksize=1)
+    encode = encode or encode_task
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                               initargs=args)
+    pending: deque = deque()
+    todo = iter(tasks)
+    try:
+        for task in todo:
+            pending.append(pool.submit(encode, task))
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            try:
+                result = pending.popleft().result()
+            except BrokenProcessPool:
+                raise RuntimeError(f"an encoding worker died (killed, or out of memory?); nothing was written; "
+                                   f"run again, with fewer --workers than {workers} if memory is short") from None
+            task = next(todo, None)
+            if task is not None:
+                pending.append(pool.submit(encode, task))
+            yield result
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -452,6 +492,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("attnres-prepare: interrupted; nothing was written to OUT_DIR", file=sys.stderr)
         sys.exit(130)
+    except RuntimeError as err:
+        print(f"attnres-prepare: error: {err}", file=sys.stderr)
+        sys.exit(1)
     t = meta["timing"]
     print(f"wrote {args.out_dir}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
           f"(vocabulary {meta['vocab_size']:,}, {meta['bytes_per_token']['train']} bytes/token) from "
