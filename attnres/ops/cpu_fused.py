@@ -42,7 +42,7 @@ _state: dict[str, object] = {}
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-fopenmp-simd"]
+    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno"]
     if platform.machine() in ("x86_64", "AMD64") and sys.platform.startswith("linux"):
         flags.append("-march=native")  # the build name carries the CPU's features (`_build_name`)
     return flags

@@ -25,6 +25,8 @@
 #include <bit>
 #include <cstdint>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -33,25 +35,102 @@ namespace {
 using at::Tensor;
 constexpr int64_t kGrain = 32;  // tokens per task: a few hundred KB of sources at D ~ 100
 
+// Row chunks as values: W = 64 bytes of lanes (GCC/Clang vector extensions, lowered to what
+// the target has: one AVX-512 register, two AVX2 ones, four SSE/NEON ones), a D that W does not
+// divide finishing with one-lane chunks (a plain T). The dot products sum in such values, W
+// partial sums per row added up at the end: one running sum is a chain of dependent
+// multiply-adds (about 4 cycles each), and at D ~ 100 that latency, not the loads, was what a
+// row's dot products cost.
 template <typename T>
-inline T dot(const T* a, const T* b, int64_t d) {
-  T s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < d; ++j) s += a[j] * b[j];
-  return s;
+struct Lanes {
+  typedef T type __attribute__((vector_size(64)));
+};
+template <typename T>
+using vec = typename Lanes<T>::type;
+
+template <typename V, typename T>
+inline V load(const T* p) {
+  V x;
+  std::memcpy(&x, p, sizeof(V));
+  return x;
+}
+template <typename V, typename T>
+inline void store(T* p, const V& x) {
+  std::memcpy(p, &x, sizeof(V));
 }
 
-// 1 / sqrt(mean(v^2) + eps), exact for any finite row: rescaled by max|v| when a square
-// overflows (as torch_fused.inv_rms does).
+// body(V{}, j) for each chunk [j, j + lanes of V) of a row of d values
+template <typename T, typename F>
+inline void chunks(int64_t d, F&& body) {
+  constexpr int64_t W = sizeof(vec<T>) / sizeof(T);
+  int64_t j = 0;
+  for (; j + W <= d; j += W) body(vec<T>{}, j);
+  for (; j < d; ++j) body(T{}, j);
+}
+
+template <typename V>
+inline auto hsum(const V& x) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return x;
+  } else {
+    constexpr int W = sizeof(V) / sizeof(x[0]);
+    auto s = x[0];
+    for (int l = 1; l < W; ++l) s += x[l];
+    return s;
+  }
+}
+
+// out[k] = v . b[k] for the G rows b[0..G-1], and with Self out[G] = v . v, in one pass over v
+template <int G, bool Self = false, typename T>
+inline void dots(const T* v, const T* const* b, int64_t d, T* out) {
+  vec<T> s0{}, s1{}, s2{}, s3{}, sv{};
+  T t0 = 0, t1 = 0, t2 = 0, t3 = 0, tv = 0;
+  chunks<T>(d, [&](auto lanes, int64_t j) {
+    using V = decltype(lanes);
+    const V x = load<V>(v + j);
+    if constexpr (std::is_arithmetic_v<V>) {
+      t0 += x * b[0][j];
+      if constexpr (G > 1) t1 += x * b[1][j];
+      if constexpr (G > 2) t2 += x * b[2][j];
+      if constexpr (G > 3) t3 += x * b[3][j];
+      if constexpr (Self) tv += x * x;
+    } else {
+      s0 += x * load<V>(b[0] + j);
+      if constexpr (G > 1) s1 += x * load<V>(b[1] + j);
+      if constexpr (G > 2) s2 += x * load<V>(b[2] + j);
+      if constexpr (G > 3) s3 += x * load<V>(b[3] + j);
+      if constexpr (Self) sv += x * x;
+    }
+  });
+  out[0] = hsum(s0) + t0;
+  if constexpr (G > 1) out[1] = hsum(s1) + t1;
+  if constexpr (G > 2) out[2] = hsum(s2) + t2;
+  if constexpr (G > 3) out[3] = hsum(s3) + t3;
+  if constexpr (Self) out[G] = hsum(sv) + tv;
+}
+
 template <typename T>
-inline T row_inv_rms(const T* v, int64_t d, double eps) {
-  T ss = dot(v, v, d);
+inline T dot(const T* a, const T* b, int64_t d) {
+  T out;
+  dots<1>(a, &b, d, &out);
+  return out;
+}
+
+// 1 / sqrt(mean(v^2) + eps) from ss = v . v, exact for any finite row: rescaled by max|v| when
+// a square overflowed (as torch_fused.inv_rms does).
+template <typename T>
+inline T row_inv_rms(const T* v, int64_t d, double eps, T ss) {
   if (std::isfinite(ss)) return T(1) / std::sqrt(ss / T(d) + T(eps));
   T c = 1;
   for (int64_t j = 0; j < d; ++j) c = std::max(c, std::abs(v[j]));
   T s = 0;
   for (int64_t j = 0; j < d; ++j) s += (v[j] / c) * (v[j] / c);
   return T(1) / std::sqrt(s / T(d) + T(eps) / c / c) / c;
+}
+
+template <typename T>
+inline T row_inv_rms(const T* v, int64_t d, double eps) {
+  return row_inv_rms(v, d, eps, dot(v, v, d));
 }
 
 std::vector<const void*> pointers(const std::vector<Tensor>& ts) {
@@ -112,28 +191,6 @@ inline void with_group(int64_t g, F&& f) {
   }
 }
 
-// out[k] = v . b[k] for the G rows b[0..G-1], in one pass over v
-template <int G, typename T>
-inline void dots(const T* v, const T* const* b, int64_t d, T* out) {
-  const T* b0 = b[0];
-  const T* b1 = G > 1 ? b[1] : b0;
-  const T* b2 = G > 2 ? b[2] : b0;
-  const T* b3 = G > 3 ? b[3] : b0;
-  T s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t j = 0; j < d; ++j) {
-    const T x = v[j];
-    s0 += x * b0[j];
-    if constexpr (G > 1) s1 += x * b1[j];
-    if constexpr (G > 2) s2 += x * b2[j];
-    if constexpr (G > 3) s3 += x * b3[j];
-  }
-  out[0] = s0;
-  if constexpr (G > 1) out[1] = s1;
-  if constexpr (G > 2) out[2] = s2;
-  if constexpr (G > 3) out[3] = s3;
-}
-
 // o[k][j] (= or +=) a[k] * v[j] for the G outputs o[0..G-1], in one pass over v
 template <int G, bool Init, typename T>
 inline void axpys(const T* v, const T* a, T* const* o, int64_t d) {
@@ -159,10 +216,13 @@ inline void axpys(const T* v, const T* a, T* const* o, int64_t d) {
   }
 }
 
-// the source gradient's query terms, for G queries: dv[j] += sum_k (a[k] dO_k[j] + c[k] q_k[j]),
-// and the query-gradient sums tq_k[j] += c[k] v[j], in one pass
-template <int G, typename T>
-inline void dv_terms(T* dv, const T* v, const T* const* dO, const T* q, const T* a, const T* c, T* tq, int64_t d) {
+// the source gradient's query terms, for G queries: dv[j] (= or +=) sum_k (a[k] dO_k[j] + c[k] q_k[j]),
+// and the query-gradient sums tq_k[j] += c[k] v[j], in one pass. Self (the first group of a
+// source) adds the term through the source's own statistic, cs (v[j] r); Fresh (with Self)
+// writes dv instead of adding to it.
+template <int G, bool Self, bool Fresh, typename T>
+inline void dv_terms(T* dv, const T* v, const T* const* dO, const T* q, const T* a, const T* c, T* tq, int64_t d,
+                     T cs = 0, T r = 0) {
   const T* d0 = dO[0];
   const T* d1 = G > 1 ? dO[1] : d0;
   const T* d2 = G > 2 ? dO[2] : d0;
@@ -178,7 +238,9 @@ inline void dv_terms(T* dv, const T* v, const T* const* dO, const T* q, const T*
 #pragma omp simd
   for (int64_t j = 0; j < d; ++j) {
     const T x = v[j];
-    T acc = dv[j] + a[0] * d0[j] + c[0] * q0[j];
+    T acc = a[0] * d0[j] + c[0] * q0[j];
+    if constexpr (Self) acc += cs * (x * r);
+    if constexpr (!Fresh) acc += dv[j];
     t0[j] += c[0] * x;
     if constexpr (G > 1) {
       acc += a[1] * d1[j] + c[1] * q1[j];
@@ -316,25 +378,47 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
     at::parallel_for(0, m, kGrain, [&](int64_t begin, int64_t end) {
       const int64_t off = has_prefix ? 1 : 0, cnt = n + off;
       // per tile: the logits zs[(k * cnt + i) * kTile + u], the weights in the same layout
-      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), zk(kGroup), lt(kTile);
+      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), zk(kGroup + 1), lt(kTile), ss(n * kTile);
       std::vector<T*> orow(K);
       for (int64_t t0 = begin; t0 < end; t0 += kTile) {
         const int64_t tn = std::min(kTile, end - t0);
-        // the logits: each source row read once for all K queries
+        // the logits: each source row read once for all K queries, v . v beside v . q_k when
+        // the statistic is not given; then the statistics and the scaling vectorised across the tile
         for (int64_t u = 0; u < tn; ++u) {
           const int64_t t = t0 + u;
           for (int64_t i = 0; i < n; ++i) {
             const T* v = static_cast<const T*>(src[i]) + t * d;
-            if (!cached) rp[i * m + t] = row_inv_rms(v, d, eps);
-            const T ri = rp[i * m + t];
             for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
               with_group(std::min<int64_t>(kGroup, K - k0), [&](auto g) {
-                dots<decltype(g)::value>(v, qrows.data() + k0, d, zk.data());
-                for (int k = 0; k < decltype(g)::value; ++k) zs[((k0 + k) * cnt + off + i) * kTile + u] = zk[k] * ri;
+                constexpr int G = decltype(g)::value;
+                if (k0 == 0 && !cached) {
+                  dots<G, true>(v, qrows.data(), d, zk.data());
+                  ss[i * kTile + u] = zk[G];
+                } else {
+                  dots<G>(v, qrows.data() + k0, d, zk.data());
+                }
+                for (int k = 0; k < G; ++k) zs[((k0 + k) * cnt + off + i) * kTile + u] = zk[k];
               });
             }
           }
         }
+        if (!cached) {
+          for (int64_t i = 0; i < n; ++i) {
+            T* ri = rp + i * m + t0;
+            const T* si = ss.data() + i * kTile;
+#pragma omp simd
+            for (int64_t u = 0; u < tn; ++u) ri[u] = T(1) / std::sqrt(si[u] / T(d) + T(eps));
+            for (int64_t u = 0; u < tn; ++u)  // a square that overflowed: the row rescaled
+              if (!std::isfinite(si[u])) ri[u] = row_inv_rms(static_cast<const T*>(src[i]) + (t0 + u) * d, d, eps);
+          }
+        }
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t i = 0; i < n; ++i) {
+            T* zi = zs.data() + (k * cnt + off + i) * kTile;
+            const T* ri = rp + i * m + t0;
+#pragma omp simd
+            for (int64_t u = 0; u < tn; ++u) zi[u] *= ri[u];
+          }
         for (int64_t k = 0; k < K; ++k) {
           T* zk_ = zs.data() + k * cnt * kTile;
           if (has_prefix)
@@ -542,7 +626,7 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
             for (int64_t j = 0; j < d; ++j) o[j] = ap * dor[j];
           }
         }
-        // dv_i = c_i v_i + sum_k (alpha_ki dO_k + dz_ki r_i q_k): each source row read once
+        // dv_i = c_i (r_i v_i) + sum_k (alpha_ki dO_k + dz_ki r_i q_k): each source row read once
         for (int64_t i = 0; i < n; ++i) {
           const T* v = static_cast<const T*>(src[i]) + t * d;
           const T ri = rp[i * m + t];
@@ -552,13 +636,6 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
           // overflows for |v| beyond ~1e19 or below ~1e-19 in float32, (r_i v_i) and c do not
           const T c = -cz * ri / T(d);
           T* o = static_cast<T*>(const_cast<void*>(dvp[i])) + t * d;
-          if (adds[i]) {
-#pragma omp simd
-            for (int64_t j = 0; j < d; ++j) o[j] += c * (v[j] * ri);
-          } else {
-#pragma omp simd
-            for (int64_t j = 0; j < d; ++j) o[j] = c * (v[j] * ri);
-          }
           for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
             with_group(std::min<int64_t>(kGroup, K - k0), [&](auto gr) {
               constexpr int G = decltype(gr)::value;
@@ -567,7 +644,15 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
                 a[k] = alpha[((k0 + k) * cnt + off + i) * kTile + u];
                 cr[k] = dz[(k0 + k) * n + i] * ri;
               }
-              dv_terms<G>(o, v, dorow.data() + k0, q + k0 * d, a, cr, tq.data() + k0 * d, d);
+              T* tk = tq.data() + k0 * d;
+              const T* const* dk = dorow.data() + k0;
+              if (k0 > 0) {
+                dv_terms<G, false, false>(o, v, dk, q + k0 * d, a, cr, tk, d);
+              } else if (adds[i]) {
+                dv_terms<G, true, false>(o, v, dk, q, a, cr, tk, d, c, ri);
+              } else {
+                dv_terms<G, true, true>(o, v, dk, q, a, cr, tk, d, c, ri);
+              }
             });
           }
         }
