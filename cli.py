@@ -27,6 +27,7 @@ from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from attnres.training import sweep
+from attnres.training.allocator import keep_freed_memory
 from attnres.training.faults import (
     GracefulStop,
     Interrupted,
@@ -70,6 +71,8 @@ logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: n
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
     validate_config(cfg)
+    if cfg.get("keep_freed_memory", True):
+        keep_freed_memory()  # before the first large tensor
     if cfg.get("mode", "train") != "train":  # mode=eval | sample: a checkpoint, no training
         from attnres.training.evaluate import run_mode
 

@@ -37,6 +37,7 @@ import torch
 
 from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer
 from attnres.functional import KERNELS, depth_attention, resolve_kernel, triton_available
+from attnres.training.allocator import keep_freed_memory
 
 GPT_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 1024, "batch": 16, "vocab": 32768}
 # --quick keeps GPT-small's depth, width and vocabulary (what sets AttnRes's cost relative to
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth", type=float, default=None,
                    help=f"bytes/s of the op's floor (default: H200 {H200_BANDWIDTH:.1e} on CUDA, a copy on CPU)")
     p.add_argument("--op-only", action="store_true", help="only the op-vs-floor measurement")
+    p.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                   help="leave the C library's allocator as it starts (the runner's keep_freed_memory=false); "
+                        "by default the process keeps freed memory, as the runner does (attnres/training/allocator.py)")
     args = p.parse_args(argv)
     if args.quick and args.tiny:
         p.error("--quick and --tiny are two shapes: give one")
@@ -331,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    kept = keep_freed_memory() if args.keep_freed_memory else False
     dev = args.device
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -340,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "kernel": args.kernel, "kernel_resolved": impl,
         "steps": args.steps, "warmup": args.warmup, "modes": args.modes, "python": sys.version.split()[0],
+        "keep_freed_memory": kept,
     }
     print("bench_residuals:", json.dumps(info), flush=True)
     results: dict = {"info": info}
@@ -388,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
 def report(results: dict) -> None:
     info = results["info"]
     print(f"\nshape {info['shape']}, N={info['num_blocks']}, {info['dtype']} on {info['device']} "
-          f"({info['device_name']}, {info['threads']} threads), kernel={info['kernel']} -> {info['kernel_resolved']}")
+          f"({info['device_name']}, {info['threads']} threads), kernel={info['kernel']} -> {info['kernel_resolved']}, "
+          f"keep_freed_memory={info.get('keep_freed_memory', False)}")
     for tag in ("eager", "compiled"):
         if tag not in results:
             continue

@@ -41,8 +41,12 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cflags() -> list[str]:
-    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno"]
+def _cflags(openmp: bool) -> list[str]:
+    """`openmp`: compile ATen's `parallel_for` as torch runs it. With an OpenMP torch (Linux
+    wheels) the loop over threads is inlined into the kernel from ATen's header; compiled
+    without -fopenmp it runs every token on one thread whatever torch.get_num_threads() says.
+    Without it the loops are still vectorised (-fopenmp-simd)."""
+    flags = ["-O3", "-fno-math-errno", "-fopenmp" if openmp else "-fopenmp-simd"]
     if platform.machine() in ("x86_64", "AMD64") and sys.platform.startswith("linux"):
         flags.append("-march=native")  # the build name carries the CPU's features (`_build_name`)
     return flags
@@ -95,17 +99,28 @@ def _build() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    flags = _cflags()
-    name = _build_name(flags)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = Path(root) / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(build_dir):
-        if not (build_dir / f"{name}.so").exists():
-            print("attnres: compiling the fused CPU depth-attention kernel (once per machine, about 30 s; "
-                  "residual.kernel=torch skips it)", file=sys.stderr, flush=True)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
-                           build_directory=str(build_dir), verbose=False)
+    # with torch's OpenMP threads when torch has them (a compiler without OpenMP, e.g. Apple's
+    # clang, fails that build: then a one-thread build, which is what the loops do without it)
+    choices = [True, False] if torch.backends.openmp.is_available() else [False]
+    for openmp in choices:
+        flags = _cflags(openmp)
+        name = _build_name(flags)
+        build_dir = Path(root) / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with _exclusive(build_dir):
+                if not (build_dir / f"{name}.so").exists():
+                    print("attnres: compiling the fused CPU depth-attention kernel (once per machine, about 30 s; "
+                          "residual.kernel=torch skips it)", file=sys.stderr, flush=True)
+                cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                                   extra_ldflags=["-fopenmp"] if openmp else None, is_python_module=False,
+                                   build_directory=str(build_dir), verbose=False)
+            break
+        except Exception:  # noqa: BLE001  (the OpenMP build failed: try the one-thread build; its failure is raised)
+            if openmp is choices[-1]:
+                raise
+    _state["threads"] = "openmp" if openmp else "one"
     torch.ops.attnres_cpu.forward  # noqa: B018  (raises if the library did not register)
     _register_fakes()
 

@@ -28,8 +28,8 @@ from attnres.training.io import atomic_write, read_json
 COLUMNS = ["job", "config", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
            "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error", *verdict.COLUMNS]
 #: configuration keys that do not change what a run computes, left out when matching baselines
-NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "trainer.enable_progress_bar",
-                "data.num_workers", "callbacks", "logger")
+NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "keep_freed_memory",
+                "trainer.enable_progress_bar", "data.num_workers", "callbacks", "logger")
 #: the residual strategy's own keys: a baseline differs from its candidates in these only
 STRATEGY_KEYS = ("residual", "num_blocks")
 #: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed

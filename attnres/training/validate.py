@@ -741,7 +741,7 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
     ("", ()): {
         "seed": Rule("int", 0, 2**32 - 1, example=0),
         "num_blocks": Rule("int", 1, example=4),
-        "compile": BOOL, "resume": BOOL, "overwrite": BOOL,
+        "compile": BOOL, "resume": BOOL, "overwrite": BOOL, "keep_freed_memory": BOOL,
         "mode": Rule("choice", choices=("train", "eval", "sample")),
     },
     ("sample", ()): {
