@@ -6,7 +6,8 @@ then handed to an implementation in `attnres.ops`, chosen by `kernel`:
 
 - "auto" (default): "triton" for CUDA tensors of a half or float32 dtype (D <= 8192) when
   triton is installed, "cpu" for CPU tensors of float32 or float64 when its C++ kernel builds
-  (in eager mode: under torch.compile, "torch", which Inductor fuses), "torch" otherwise;
+  (under torch.compile only when an earlier call built it: nothing builds while Dynamo traces),
+  "torch" otherwise;
 - "triton": fused Triton kernels (`attnres/ops/triton_fused.py`); CUDA tensors, or CPU
   tensors under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported);
 - "cpu": one fused C++ loop each way over the tokens (`attnres/ops/cpu_fused.py`), compiled
@@ -95,9 +96,10 @@ def resolve_kernel(kernel: str, like: Tensor) -> str:
         usable = like.is_cuda and like.dtype in _TRITON_DTYPES and like.shape[-1] <= _TRITON_MAX_D
         if usable and triton_available():
             return "triton"
-        # under torch.compile the plain-PyTorch path, which Inductor fuses itself (and nothing
-        # is built while Dynamo traces)
-        if torch.compiler.is_compiling() or not _cpu_usable(like):
+        # under torch.compile the C++ kernel too, as two opaque ops in the graph, when an earlier
+        # call built it (nothing is built while Dynamo traces: `cpu_fused.available()`); else
+        # the plain-PyTorch path, which Inductor fuses itself
+        if not _cpu_usable(like):
             return "torch"
         return "cpu" if cpu_fused.available() else "torch"
     if kernel == "cpu":

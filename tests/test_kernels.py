@@ -660,3 +660,37 @@ def test_triton_gpu_strategy_under_inductor(kind, rel_err):
     ref_out = ref(e, sublayers)
     (ref_g,) = torch.autograd.grad(ref_out.sum(), [e])
     assert rel_err(out, ref_out) < 1e-4 and rel_err(g, ref_g) < 1e-4
+
+
+@pytest.mark.slow
+@needs_cpu_kernel
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_cpu_kernel_under_inductor(kind, rel_err):
+    """kernel="auto" on CPU under torch.compile: once the C++ kernel is built (the runner builds
+    it before a compiled run's first step) the graph calls it as opaque ops, and Inductor's
+    forward and gradients match the float64 reference."""
+    assert cpu_fused.available()
+    L, d = 8, 32
+    s = make_strategy(kind, L, 4 if kind == "block" else None, True, True, "auto", d)
+    ref = make_strategy(kind, L, 4 if kind == "block" else None, True, True, "naive", d).double()
+    ref.load_state_dict(s.state_dict())
+    sublayers = make_sublayers(L, d)
+    ref_sublayers = make_sublayers(L, d).double()
+    ref_sublayers.load_state_dict(sublayers.state_dict())
+    code: list[str] = []
+
+    def recording(gm, inputs):  # the traced graph, its autograd subgraphs included
+        code.extend(m.code for _, m in gm.named_modules() if hasattr(m, "code"))
+        return gm.forward
+
+    e = torch.randn(2, 16, d, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(lambda x: s(x, sublayers), backend=recording, fullgraph=True)(e)
+    assert any("attnres_cpu.forward" in c for c in code)
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: s(x, sublayers), fullgraph=True)(e)
+    (g,) = torch.autograd.grad(out.sum(), [e])
+    e64 = e.detach().double().requires_grad_()
+    ref_out = ref(e64, ref_sublayers)
+    (ref_g,) = torch.autograd.grad(ref_out.sum(), [e64])
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(g, ref_g) < 1e-5

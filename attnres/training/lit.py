@@ -187,6 +187,16 @@ class LitLanguageModel(pl.LightningModule):
                      f"{datamodule.batch_size} x {datamodule.block_size} per device and step, "
                      f"{self.trainer.world_size} device(s)")
 
+    def on_fit_start(self) -> None:
+        """With compile=true on CPU, build the fused CPU kernel before the first step is traced:
+        torch.compile then keeps it as two opaque ops (nothing is built while Dynamo traces, and
+        the unbuilt alternative, the plain-PyTorch path, compiled for minutes at depth)."""
+        if self.forward_fn is not self.model and self.device.type == "cpu":
+            if getattr(getattr(self.model, "residual", None), "kernel", None) in ("auto", "cpu"):
+                from attnres.ops import cpu_fused
+
+                cpu_fused.available()
+
     def token_bytes(self) -> Tensor | None:
         """UTF-8 bytes of each token id on this device (the data module's), or None: one byte each."""
         if self._token_bytes is None or self._token_bytes.device != self.device:
