@@ -131,3 +131,42 @@ def test_environment_switch_turns_it_off(fresh_state):
     fresh_state.setenv("ATTNRES_CPU_KERNEL", "0")
     assert resolve_kernel("auto", torch.zeros(1)) == "torch"
     assert "ATTNRES_CPU_KERNEL=0" in cpu_fused.load_error()
+
+
+def test_a_failed_openmp_build_falls_back_to_one_thread(fresh_state, tmp_path):
+    """Where the compiler has no OpenMP (Apple's clang, say) the kernel is built without it and
+    runs its loops on one thread; where torch has no OpenMP it is not tried at all."""
+    from torch.utils import cpp_extension
+
+    assert cpu_fused.available()  # the real kernel is loaded: the stand-in build below only records
+    calls = []
+
+    def load(name, sources, extra_cflags, extra_ldflags=None, **kw):
+        calls.append(extra_cflags)
+        if "-fopenmp" in extra_cflags:
+            raise RuntimeError("Error building extension: clang: error: unsupported option '-fopenmp'")
+
+    fresh_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    fresh_state.setattr(cpp_extension, "load", load)
+    fresh_state.setattr(torch.backends.openmp, "is_available", lambda: True)
+    cpu_fused._build()
+    assert ["-fopenmp" in f for f in calls] == [True, False] and "-fopenmp-simd" in calls[1]
+    assert cpu_fused._state["threads"] == "one"
+    calls.clear()
+    cpu_fused._build()  # a later process does not try the failed OpenMP build again
+    assert len(calls) == 1 and "-fopenmp" not in calls[0]
+    calls.clear()
+    fresh_state.setattr(torch.backends.openmp, "is_available", lambda: False)
+    cpu_fused._build()
+    assert len(calls) == 1 and "-fopenmp" not in calls[0]
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and shutil.which("g++")), reason="g++ on Linux")
+def test_the_kernel_runs_on_torchs_threads():
+    """With g++ and an OpenMP torch (Linux wheels) the kernel is the OpenMP build: ATen's
+    parallel_for, inlined from its header, runs the tokens over torch's threads (built without
+    -fopenmp, it ran every token on one thread whatever torch.get_num_threads() said)."""
+    if not torch.backends.openmp.is_available():
+        pytest.skip("this torch has no OpenMP")
+    assert cpu_fused.available()
+    assert cpu_fused._state.get("threads") == "openmp"

@@ -37,6 +37,7 @@ __all__ = ["DTYPES", "GradSink", "available", "fused_depth_attention", "inv_rms"
 DTYPES = (torch.float32, torch.float64)
 CACHED_STATISTICS = False  # `SourceStack` keeps no key statistics: the kernel computes them in passing
 SOURCE = Path(__file__).with_name("csrc") / "depth_attention_cpu.cpp"
+OPENMP_FAILED = "openmp-failed"  # in an OpenMP build's folder: that build failed here, do not try again
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -101,13 +102,16 @@ def _build() -> None:
         pass
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     # with torch's OpenMP threads when torch has them (a compiler without OpenMP, e.g. Apple's
-    # clang, fails that build: then a one-thread build, which is what the loops do without it)
+    # clang, fails that build: then a one-thread build, which is what the loops do without it;
+    # the failure is remembered in the build folder, so later processes go straight to it)
     choices = [True, False] if torch.backends.openmp.is_available() else [False]
     for openmp in choices:
         flags = _cflags(openmp)
         name = _build_name(flags)
         build_dir = Path(root) / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        if openmp and (build_dir / OPENMP_FAILED).exists():
+            continue
         try:
             with _exclusive(build_dir):
                 if not (build_dir / f"{name}.so").exists():
@@ -120,6 +124,7 @@ def _build() -> None:
         except Exception:  # noqa: BLE001  (the OpenMP build failed: try the one-thread build; its failure is raised)
             if openmp is choices[-1]:
                 raise
+            (build_dir / OPENMP_FAILED).write_text("this compiler could not build the kernel with -fopenmp\n")
     _state["threads"] = "openmp" if openmp else "one"
     torch.ops.attnres_cpu.forward  # noqa: B018  (raises if the library did not register)
     _register_fakes()
