@@ -6,9 +6,10 @@ gradients, the depth-attention outputs (on the default tiny model each (B, T, D)
 are freed) straight back to the system, and trims the top of its heap once more than twice that
 threshold is free there; either way the next step faults every page in afresh. AttnRes
 allocates more of these than the standard residual (outputs and gradients per depth-attention
-call), so it pays more of this cost: on the default model, 2 CPU cores, keeping freed memory
-made a Block AttnRes train step about 3% faster and a standard one about 1% faster
-(experiments/BENCHMARKS.md, "Small models on CPU").
+call), so it pays more of this cost: on the default model and a 2-core VM, keeping freed memory
+made the runner train 7.6% faster with the standard residual and 12.6% faster with Block AttnRes
+N=8, and a bare train step 2 to 3% and 5% faster (experiments/BENCHMARKS.md, "Small models on
+CPU", separate invocations).
 
 `keep_freed_memory()` sets the two thresholds once per process (`mallopt`): blocks below 32 MB
 come from the heap, and the heap is trimmed only when a whole GiB is free at its top. The
