@@ -62,7 +62,8 @@ def help_text(conf: Path) -> str:
         lines.append(f"  {group:<15} {what}")
         lines.append(f"  {'':<15}   {', '.join(marked)}")
     lines += ["", "top-level keys (key=value):"]
-    lines += [f"  {key:<15} {what}" for key, what in keys]
+    width = max([15, *(len(key) for key, _ in keys)])
+    lines += [f"  {key:<{width}} {what}" for key, what in keys]
     lines += ["", "Override any key inside a group too: optim.optimizer.lr=1e-3, trainer.max_steps=300.",
               "Each YAML file under conf/ documents its keys, their types and defaults."]
     return "\n".join(lines)

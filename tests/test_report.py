@@ -77,8 +77,11 @@ def test_help_lists_every_group_without_importing_lightning(tmp_path):
         line = next((line for line in result.stdout.splitlines() if line.strip().startswith(group + " ")), None)
         assert line is not None, f"--help does not list {group}"
         assert all(o in result.stdout for o in options), (group, options)
-    for key in ("seed", "num_blocks", "resume", "overwrite", "nonfinite"):
+    for key in ("seed", "num_blocks", "keep_freed_memory", "resume", "overwrite", "nonfinite"):
         assert re.search(rf"^  {key} ", result.stdout, re.M), key
+    keys = result.stdout.split("top-level keys (key=value):\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    columns = {len(line) - len(line[2:].split(" ", 1)[1].lstrip()) for line in keys if " " in line[2:]}
+    assert len(columns) == 1, keys  # the descriptions start in one column, however long a key
     probe = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['attnres-run', '--help'];"
                             "from attnres._entry import main; main();"
                             "print('LIGHTNING' if 'pytorch_lightning' in sys.modules else 'light')"],
