@@ -133,7 +133,7 @@ def test_environment_switch_turns_it_off(fresh_state):
     assert "ATTNRES_CPU_KERNEL=0" in cpu_fused.load_error()
 
 
-def test_a_failed_openmp_build_falls_back_to_one_thread(fresh_state, tmp_path):
+def test_a_failed_openmp_build_falls_back_to_one_thread(fresh_state, tmp_path, capsys):
     """Where the compiler has no OpenMP (Apple's clang, say) the kernel is built without it and
     runs its loops on one thread; where torch has no OpenMP it is not tried at all."""
     from torch.utils import cpp_extension
@@ -144,7 +144,7 @@ def test_a_failed_openmp_build_falls_back_to_one_thread(fresh_state, tmp_path):
     def load(name, sources, extra_cflags, extra_ldflags=None, **kw):
         calls.append(extra_cflags)
         if "-fopenmp" in extra_cflags:
-            raise RuntimeError("Error building extension: clang: error: unsupported option '-fopenmp'")
+            raise RuntimeError("Error building extension 'x': [1/2] c++ ...\nclang: error: unsupported option '-fopenmp'\n")
 
     fresh_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     fresh_state.setattr(cpp_extension, "load", load)
@@ -152,8 +152,12 @@ def test_a_failed_openmp_build_falls_back_to_one_thread(fresh_state, tmp_path):
     cpu_fused._build()
     assert ["-fopenmp" in f for f in calls] == [True, False] and "-fopenmp-simd" in calls[1]
     assert cpu_fused._state["threads"] == "one"
+    said = capsys.readouterr().err
+    assert "could not be built with OpenMP (clang: error: unsupported option '-fopenmp')" in said
+    assert "on one thread (remove " in said and cpu_fused.OPENMP_FAILED in said
     calls.clear()
-    cpu_fused._build()  # a later process does not try the failed OpenMP build again
+    cpu_fused._build()  # a later process does not try the failed OpenMP build again, and says nothing
+    assert "OpenMP" not in capsys.readouterr().err
     assert len(calls) == 1 and "-fopenmp" not in calls[0]
     calls.clear()
     fresh_state.setattr(torch.backends.openmp, "is_available", lambda: False)

@@ -121,10 +121,12 @@ def _build() -> None:
                                    extra_ldflags=["-fopenmp"] if openmp else None, is_python_module=False,
                                    build_directory=str(build_dir), verbose=False)
             break
-        except Exception:  # noqa: BLE001  (the OpenMP build failed: try the one-thread build; its failure is raised)
+        except Exception as exc:  # noqa: BLE001  (the OpenMP build failed: try the one-thread build; its failure is raised)
             if openmp is choices[-1]:
                 raise
-            (build_dir / OPENMP_FAILED).write_text("this compiler could not build the kernel with -fopenmp\n")
+            (build_dir / OPENMP_FAILED).write_text(f"{_reason(exc)}\n")
+            print(f"attnres: the fused CPU kernel could not be built with OpenMP ({_reason(exc)}); building it to run "
+                  f"on one thread (remove {build_dir / OPENMP_FAILED} to try again)", file=sys.stderr, flush=True)
     _state["threads"] = "openmp" if openmp else "one"
     torch.ops.attnres_cpu.forward  # noqa: B018  (raises if the library did not register)
     _register_fakes()
