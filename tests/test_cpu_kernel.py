@@ -144,7 +144,8 @@ def test_a_failed_openmp_build_falls_back_to_one_thread(fresh_state, tmp_path, c
     def load(name, sources, extra_cflags, extra_ldflags=None, **kw):
         calls.append(extra_cflags)
         if "-fopenmp" in extra_cflags:
-            raise RuntimeError("Error building extension 'x': [1/2] c++ ...\nclang: error: unsupported option '-fopenmp'\n")
+            raise RuntimeError("Error building extension 'x': [1/2] c++ ...\n"
+                               "clang: error: unsupported option '-fopenmp'\n")
 
     fresh_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     fresh_state.setattr(cpp_extension, "load", load)
