@@ -128,11 +128,6 @@ inline T row_inv_rms(const T* v, int64_t d, double eps, T ss) {
   return T(1) / std::sqrt(s / T(d) + T(eps) / c / c) / c;
 }
 
-template <typename T>
-inline T row_inv_rms(const T* v, int64_t d, double eps) {
-  return row_inv_rms(v, d, eps, dot(v, v, d));
-}
-
 std::vector<const void*> pointers(const std::vector<Tensor>& ts) {
   std::vector<const void*> p;
   p.reserve(ts.size());
@@ -409,7 +404,8 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
 #pragma omp simd
             for (int64_t u = 0; u < tn; ++u) ri[u] = T(1) / std::sqrt(si[u] / T(d) + T(eps));
             for (int64_t u = 0; u < tn; ++u)  // a square that overflowed: the row rescaled
-              if (!std::isfinite(si[u])) ri[u] = row_inv_rms(static_cast<const T*>(src[i]) + (t0 + u) * d, d, eps);
+              if (!std::isfinite(si[u]))
+                ri[u] = row_inv_rms(static_cast<const T*>(src[i]) + (t0 + u) * d, d, eps, si[u]);
           }
         }
         for (int64_t k = 0; k < K; ++k)
