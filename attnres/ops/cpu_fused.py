@@ -122,10 +122,11 @@ def _build() -> None:
                                    build_directory=str(build_dir), verbose=False)
             break
         except Exception as exc:  # noqa: BLE001  (the OpenMP build failed: try the one-thread build; its failure is raised)
-            if openmp is choices[-1]:
+            if not openmp:
                 raise
-            (build_dir / OPENMP_FAILED).write_text(f"{_reason(exc)}\n")
-            print(f"attnres: the fused CPU kernel could not be built with OpenMP ({_reason(exc)}); building it to run "
+            reason = _reason(exc)
+            (build_dir / OPENMP_FAILED).write_text(f"{reason}\n")
+            print(f"attnres: the fused CPU kernel could not be built with OpenMP ({reason}); building it to run "
                   f"on one thread (remove {build_dir / OPENMP_FAILED} to try again)", file=sys.stderr, flush=True)
     _state["threads"] = "openmp" if openmp else "one"
     torch.ops.attnres_cpu.forward  # noqa: B018  (raises if the library did not register)
