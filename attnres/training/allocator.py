@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 __all__ = ["keep_freed_memory"]
@@ -31,16 +32,11 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
 TRIM_THRESHOLD = 1 << 30
 
-_applied: bool | None = None
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Keep freed heap memory in this process for reuse (glibc only; once per process).
     Returns whether the allocator took the setting."""
-    global _applied
-    if _applied is not None:
-        return _applied
-    _applied = False
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -50,5 +46,4 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _applied
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
