@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -68,14 +69,38 @@ inline void chunks(int64_t d, F&& body) {
   for (; j < d; ++j) body(T{}, j);
 }
 
+// the sum of a chunk's lanes as a tree of halves (log2 W adds, in registers): adding the lanes
+// one by one is a chain of W - 1 dependent adds, at D ~ 100 longer than the dot product it ends
+// (a compiler without __builtin_shufflevector, GCC before 12, takes that chain)
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define ATTNRES_HALVES 1
+#endif
+#endif
+#ifdef ATTNRES_HALVES
+template <typename V, std::size_t... I>
+inline auto lower_half(const V& x, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, x, I...);
+}
+template <typename V, std::size_t... I>
+inline auto upper_half(const V& x, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, x, (I + sizeof...(I))...);
+}
+#endif
 template <typename V>
 inline auto hsum(const V& x) {
   if constexpr (std::is_arithmetic_v<V>) {
     return x;
   } else {
-    constexpr int W = sizeof(V) / sizeof(x[0]);
+    constexpr std::size_t W = sizeof(V) / sizeof(x[0]);
+#ifdef ATTNRES_HALVES
+    if constexpr (W > 2) {
+      constexpr auto half = std::make_index_sequence<W / 2>{};
+      return hsum(lower_half(x, half) + upper_half(x, half));
+    }
+#endif
     auto s = x[0];
-    for (int l = 1; l < W; ++l) s += x[l];
+    for (std::size_t l = 1; l < W; ++l) s += x[l];
     return s;
   }
 }
