@@ -13,8 +13,9 @@ one validation at the end) unless overrides are given.
     python experiments/bench_runner.py --compile               # compile=true (first-step cost reported)
     python experiments/bench_runner.py -- model.n_embd=64 model.n_layer=12   # any overrides after --
 
-Prints a table (median tokens/s over rounds and its ratio to standard; wall time) and, with
---json PATH, writes every figure.
+Prints a table (median tokens/s over rounds; the ratio to standard as the median of each
+round's ratio, with the smallest and largest; wall time) and, with --json PATH, writes every
+figure.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def run_once(name: str, args: argparse.Namespace, root: Path, round_: int) -> di
             "run_wall_time_s": metrics.get("wall_time_s")}
 
 
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Per strategy: the median tokens/s over rounds and, as the ratio to standard, the median
+    of each round's own ratio (its run over standard's run of the same round; the two ran one
+    after the other, so a machine that slows down between rounds moves both), with the
+    smallest and largest round."""
+    medians = {n: statistics.median(x["tokens_per_sec"] for x in rs) for n, rs in runs.items()}
+    paired = {}
+    for n, rs in runs.items():
+        rounds = [x["tokens_per_sec"] / s["tokens_per_sec"] for x, s in zip(rs, runs["standard"], strict=True)]
+        paired[n] = {"median": statistics.median(rounds), "min": min(rounds), "max": max(rounds), "rounds": rounds}
+    return {"median_tokens_per_sec": medians, "paired_ratio": paired,
+            "ratio_of_medians": {n: v / medians["standard"] for n, v in medians.items()}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     results: dict = {"info": {"steps": args.steps, "rounds": args.rounds, "threads": args.threads,
@@ -98,13 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.json:
                     args.json.parent.mkdir(parents=True, exist_ok=True)
                     args.json.write_text(json.dumps(results, indent=2))
-    medians = {n: statistics.median(x["tokens_per_sec"] for x in runs) for n, runs in results["runs"].items()}
-    results["median_tokens_per_sec"] = medians
-    results["ratio_to_standard"] = {n: v / medians["standard"] for n, v in medians.items()}
+    results.update(summarise(results["runs"]))
     print(f"\n{args.steps} steps x {args.rounds} rounds, compile={args.compile}, threads={args.threads or 'default'}")
+    medians, paired = results["median_tokens_per_sec"], results["paired_ratio"]
     for n, v in medians.items():
         walls = [x["wall_s"] for x in results["runs"][n]]
-        print(f"  {n:<9} {v:9.0f} tokens/s  {v / medians['standard']:.3f}x standard   "
+        spread = "" if n == "standard" or len(paired[n]["rounds"]) < 2 else \
+            f" (rounds {paired[n]['min']:.3f}-{paired[n]['max']:.3f})"
+        print(f"  {n:<9} {v:9.0f} tokens/s  {paired[n]['median']:.3f}x standard{spread}   "
               f"wall {statistics.median(walls):.0f} s per run")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -62,3 +62,19 @@ def test_saved_bytes_count_each_storage_once_and_leave_out_parameters(bench):
     case.model = Toy()
     b, t = case.idx.shape
     assert case.saved_bytes() == 2 * b * t * 8 * 4
+
+
+def test_runner_ratio_is_the_median_of_each_rounds_own_ratio():
+    """experiments/bench_runner.py: a machine that slows down between rounds moves both runs of
+    a round; the ratio pairs them (the ratio of the medians would mix rounds)."""
+    spec = importlib.util.spec_from_file_location("bench_runner", ROOT / "experiments" / "bench_runner.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    tps = {"standard": [100.0, 200.0, 150.0], "block": [90.0, 170.0, 140.0]}
+    out = runner.summarise({n: [{"tokens_per_sec": v} for v in vs] for n, vs in tps.items()})
+    assert out["median_tokens_per_sec"] == {"standard": 150.0, "block": 140.0}
+    block = out["paired_ratio"]["block"]
+    assert block["rounds"] == pytest.approx([0.9, 0.85, 140 / 150])
+    assert (block["median"], block["min"], block["max"]) == pytest.approx((0.9, 0.85, 140 / 150))
+    assert out["paired_ratio"]["standard"]["median"] == 1.0
+    assert out["ratio_of_medians"]["block"] == pytest.approx(140 / 150)
