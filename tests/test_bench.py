@@ -16,12 +16,17 @@ from attnres.functional import resolve_kernel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_residuals", ROOT / "experiments" / "bench_residuals.py")
+def _script(name: str):
+    """experiments/<name>.py as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _script("bench_residuals")
 
 
 TINY = "--n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --batch 2 --vocab 64 --num-blocks 2 --steps 2 --warmup 1"
@@ -67,9 +72,7 @@ def test_saved_bytes_count_each_storage_once_and_leave_out_parameters(bench):
 def test_runner_ratio_is_the_median_of_each_rounds_own_ratio():
     """experiments/bench_runner.py: a machine that slows down between rounds moves both runs of
     a round; the ratio pairs them (the ratio of the medians would mix rounds)."""
-    spec = importlib.util.spec_from_file_location("bench_runner", ROOT / "experiments" / "bench_runner.py")
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
+    runner = _script("bench_runner")
     tps = {"standard": [100.0, 200.0, 150.0], "block": [90.0, 170.0, 140.0]}
     out = runner.summarise({n: [{"tokens_per_sec": v} for v in vs] for n, vs in tps.items()})
     assert out["median_tokens_per_sec"] == {"standard": 150.0, "block": 140.0}
