@@ -10,7 +10,9 @@ GPU), measures
   activations autograd saves for the backward of one train forward,
 
 eager and under torch.compile, and the depth-attention op alone (N + 1 sources, all B*T
-tokens) against its memory-traffic floor. Times are medians of repeated steps after
+tokens) against its memory-traffic floor; and for each AttnRes strategy the least bytes the
+depth-attention calls of one train step move, as time at the measured bandwidth and as the least
+ratio to standard's step any implementation of them could reach. Times are medians of repeated steps after
 warm-up, CUDA events on GPU; the strategies are timed in interleaved rounds (standard,
 block, full, standard, ...) so that a busy machine slows all of them alike. Prints a table
 of ratios to standard and, with --json PATH, writes every figure.
@@ -322,6 +324,71 @@ def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
     return out
 
 
+def call_traffic(calls: list[tuple[list[int], int, int, int, int]]) -> int:
+    """The least bytes a train step's depth-attention calls move (the op's contract, any
+    implementation): `calls` are (each source's storage, K queries, prefixes, row bytes, tokens),
+    in forward order. A row is one (..., D) tensor; statistics (r, z, log-sum-exp, 4 bytes a
+    value) are counted too. Forward reads the n sources and the prefixes and writes K outputs;
+    backward reads the sources, the K cotangents (and with prefixes the outputs), writes the
+    prefixes' gradients, and adds each source's gradient to those of the other calls that read it:
+    written by the first call whose backward runs, read and rewritten by each later one."""
+    readers: dict[int, int] = {}
+    total = 0
+    for sources, K, P, row, m in calls:
+        n = len(sources)
+        for s in sources:
+            readers[s] = readers.get(s, 0) + 1
+        stats = (n + K * n + K + P) * m * 4
+        total += (n + P + K) * row + stats  # forward
+        total += (n + K + 2 * P) * row + stats  # backward, less the source gradients
+    return total + sum(2 * c - 1 for c in readers.values()) * calls[0][3] if calls else 0
+
+
+def depth_traffic(case: Case) -> dict | None:
+    """The depth-attention calls of one eager train step of `case` and the least bytes they move
+    (`call_traffic`), or None for a strategy that makes none. Counted at the implementations'
+    entry points (`run_depth_attention`, torch_fused's `merge_one`), whichever the case takes."""
+    from attnres.ops import cpu_fused, torch_fused
+
+    modules = [cpu_fused, torch_fused]
+    if triton_available():
+        from attnres.ops import triton_fused
+
+        modules.append(triton_fused)
+    calls: list[tuple[list[int], int, int, int, int]] = []
+
+    def record(sources, queries_rows: int, prefixes: int) -> None:
+        v = sources[0]
+        calls.append(([s.untyped_storage().data_ptr() for s in sources], queries_rows, prefixes,
+                      v.numel() * v.element_size(), v.numel() // v.shape[-1]))
+
+    originals = [(m, "run_depth_attention", m.run_depth_attention) for m in modules]
+    originals.append((torch_fused, "merge_one", torch_fused.merge_one))
+
+    def wrap_run(fn):
+        def run(sources, r_cache, queries, prefix_h=(), *rest, **kw):
+            record(list(sources), queries.shape[0], len(prefix_h))
+            return fn(sources, r_cache, queries, prefix_h, *rest, **kw)
+        return run
+
+    def wrap_merge(fn):
+        def merge(acc, lse, source, query, eps):
+            record([source], 1, 1)
+            return fn(acc, lse, source, query, eps)
+        return merge
+
+    for module, name, fn in originals:
+        setattr(module, name, wrap_merge(fn) if name == "merge_one" else wrap_run(fn))
+    try:
+        case.train_step()
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+    if not calls:
+        return None
+    return {"calls": len(calls), "bytes": call_traffic(calls)}
+
+
 # ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
@@ -362,6 +429,9 @@ def main(argv: list[str] | None = None) -> dict:
         timer = Timer(dev)
         cases = {name: Case(name, args) for name in args.strategies}
         results["saved_for_backward_bytes"] = {name: case.saved_bytes() for name, case in cases.items()}
+        traffic = {name: depth_traffic(case) for name, case in cases.items()}
+        results["depth_traffic"] = {name: {**t, "floor_s": t["bytes"] / bandwidth}
+                                    for name, t in traffic.items() if t is not None}
         save()
         for tag in args.modes:
             compiled = tag == "compiled"
@@ -415,6 +485,7 @@ def report(results: dict) -> None:
         base = saved.get("standard")
         cells = ", ".join(f"{name} {x / 2**20:.1f} MiB ({fmt_ratio(x, base)})" for name, x in saved.items())
         print(f"\nactivations saved for backward (eager, one train forward): {cells}")
+    traffic_report(results)
     op = results["op"]
     print(f"\nop: {op['sources']} sources x {op['tokens']} tokens x D {op['D']} {op['dtype']}, floor at "
           f"{op['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s: forward {op['floor_s']['forward'] * 1e6:.1f} us, "
@@ -423,6 +494,25 @@ def report(results: dict) -> None:
         f, fb = r["forward"], r["forward_backward"]
         print(f"  {kernel:<7} forward {f['median_s'] * 1e6:9.1f} us ({f['vs_floor']:5.2f}x floor)   "
               f"forward+backward {fb['median_s'] * 1e6:9.1f} us ({fb['vs_floor']:5.2f}x floor)")
+
+
+def traffic_report(results: dict) -> None:
+    """What the depth-attention calls of a step must cost at the least, against what each AttnRes
+    strategy costs over standard: the least ratio to standard any implementation can reach."""
+    traffic = results.get("depth_traffic")
+    if not traffic:
+        return
+    bw = results["op"]["bandwidth_bytes_per_s"]
+    print(f"\ndepth-attention traffic of one train step (the least its calls move; at {bw / 1e9:.1f} GB/s):")
+    for name, t in traffic.items():
+        line = f"  {name:<9}{t['calls']:3d} calls, {t['bytes'] / 1e6:7.1f} MB, {t['floor_s'] * 1e3:6.2f} ms"
+        for tag in ("eager", "compiled"):
+            std, row = results.get(tag, {}).get("standard"), results.get(tag, {}).get(name)
+            if std and row:
+                base = std["train_step_s"]
+                line += (f" | {tag}: floor {1 + t['floor_s'] / base:.3f}x, "
+                         f"measured {row['train_step_s'] / base:.3f}x")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,11 @@ def test_bench_writes_every_figure(bench, tmp_path, capsys):
     op = results["op"]
     assert op["sources"] == 3 and set(op["kernels"]) == {"naive", "torch"} | ({"cpu"} if fast == "cpu" else set())
     assert all(r["forward"]["vs_floor"] > 0 for r in op["kernels"].values())
+    assert set(results["depth_traffic"]) == {"block", "full"}  # standard makes no depth-attention call
+    assert all(t["floor_s"] > 0 and t["calls"] == 5 for t in results["depth_traffic"].values())
     printed = capsys.readouterr().out
     assert "activations saved for backward" in printed and "block" in printed and "x floor" in printed
+    assert "depth-attention traffic" in printed and "eager: floor" in printed
 
 
 def test_saved_bytes_count_each_storage_once_and_leave_out_parameters(bench):
@@ -81,3 +84,20 @@ def test_runner_ratio_is_the_median_of_each_rounds_own_ratio():
     assert (block["median"], block["min"], block["max"]) == pytest.approx((0.9, 0.85, 140 / 150))
     assert out["paired_ratio"]["standard"]["median"] == 1.0
     assert out["ratio_of_medians"]["block"] == pytest.approx(140 / 150)
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_depth_traffic_counts_each_call_of_a_block_step(bench, kernel):
+    """Block N=2 on 4 sublayers (S=2): phase 1 over [e] (K=2), phase 2 over sublayer 0's output
+    p1 (after a prefix), phase 1 over [e, b1] (K=2), phase 2 over sublayer 2's output, the output
+    over [e, b1, b2]. Rows (one (B, T, D) tensor each), forward n + P + K and backward
+    n + K + 2P: 6 + 7 + 8 + 7 + 8 = 36; the source gradients, 2c - 1 for a source c calls read
+    (e 3, b1 2, the rest 1): 5 + 3 + 1 + 1 + 1 = 11. Statistics per token, twice:
+    (n + K n + K + P) = 5 + 4 + 8 + 4 + 7 = 28."""
+    args = bench.parse_args([*TINY.split(), "--device", "cpu", "--kernel", kernel])
+    assert bench.depth_traffic(bench.Case("standard", args)) is None
+    traffic = bench.depth_traffic(bench.Case("block", args))
+    s = args.shape
+    tokens = s["batch"] * s["seq_len"]
+    assert traffic == {"calls": 5, "bytes": 47 * tokens * s["n_embd"] * 4 + 2 * 28 * tokens * 4}
