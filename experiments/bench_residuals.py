@@ -281,6 +281,27 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
+def cold_stream_bandwidth(args: argparse.Namespace) -> float | None:
+    """Bytes/s of the simplest op with the depth attention's access pattern, on data out of
+    cache: a sum of N + 1 tensors of (B, T, D) into one (torch.sum over a stacked copy, each
+    source a stream), after writing 256 MB so that none of them is left in a CPU cache. In a
+    train step the sources were written long before they are read again, with the sublayers'
+    activations in between. None on a GPU (not measured: there the copy rate is the rate)."""
+    if args.device.type != "cpu":
+        return None
+    s, n_src = args.shape, args.num_blocks + 1
+    stacked = torch.randn(n_src, s["batch"], s["seq_len"], s["n_embd"], dtype=args.dtype)
+    out = torch.empty(stacked.shape[1:], dtype=args.dtype)
+    flush = torch.empty(64 * 2**20)  # 256 MB of float32
+    best = float("inf")
+    for _ in range(7):
+        flush.fill_(1.0)
+        t = time.perf_counter()
+        torch.sum(stacked, 0, out=out)
+        best = min(best, time.perf_counter() - t)
+    return (n_src + 1) * out.numel() * out.element_size() / best
+
+
 def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
     """Depth attention over N + 1 sources of (B, T, D), forward and forward + backward, per
     implementation, against the floor: forward reads N + 1 sources and writes h; backward
@@ -430,8 +451,12 @@ def main(argv: list[str] | None = None) -> dict:
         cases = {name: Case(name, args) for name in args.strategies}
         results["saved_for_backward_bytes"] = {name: case.saved_bytes() for name, case in cases.items()}
         traffic = {name: depth_traffic(case) for name, case in cases.items()}
-        results["depth_traffic"] = {name: {**t, "floor_s": t["bytes"] / bandwidth}
-                                    for name, t in traffic.items() if t is not None}
+        cold = cold_stream_bandwidth(args)
+        results["cold_stream_bandwidth_bytes_per_s"] = cold
+        results["depth_traffic"] = {
+            name: {**t, "floor_s": t["bytes"] / bandwidth, "cold_stream_s": None if cold is None else t["bytes"] / cold}
+            for name, t in traffic.items() if t is not None
+        }
         save()
         for tag in args.modes:
             compiled = tag == "compiled"
@@ -502,16 +527,22 @@ def traffic_report(results: dict) -> None:
     traffic = results.get("depth_traffic")
     if not traffic:
         return
-    bw = results["op"]["bandwidth_bytes_per_s"]
-    print(f"\ndepth-attention traffic of one train step (the least its calls move; at {bw / 1e9:.1f} GB/s):")
+    bw, cold = results["op"]["bandwidth_bytes_per_s"], results.get("cold_stream_bandwidth_bytes_per_s")
+    print(f"\ndepth-attention traffic of one train step, the least its calls move: as time at the copy rate "
+          f"({bw / 1e9:.1f} GB/s)" + ("" if cold is None else f" and at the rate a sum of as many tensors out of "
+                                       f"cache reaches ({cold / 1e9:.1f} GB/s)") + ", and as ratios to standard")
     for name, t in traffic.items():
         line = f"  {name:<9}{t['calls']:3d} calls, {t['bytes'] / 1e6:7.1f} MB, {t['floor_s'] * 1e3:6.2f} ms"
+        if t.get("cold_stream_s") is not None:
+            line += f" / {t['cold_stream_s'] * 1e3:6.2f} ms"
         for tag in ("eager", "compiled"):
             std, row = results.get(tag, {}).get("standard"), results.get(tag, {}).get(name)
             if std and row:
                 base = std["train_step_s"]
-                line += (f" | {tag}: floor {1 + t['floor_s'] / base:.3f}x, "
-                         f"measured {row['train_step_s'] / base:.3f}x")
+                line += f" | {tag}: floor {1 + t['floor_s'] / base:.3f}x"
+                if t.get("cold_stream_s") is not None:
+                    line += f" / {1 + t['cold_stream_s'] / base:.3f}x"
+                line += f", measured {row['train_step_s'] / base:.3f}x"
         print(line)
 
 

@@ -48,7 +48,8 @@ def test_bench_writes_every_figure(bench, tmp_path, capsys):
     assert op["sources"] == 3 and set(op["kernels"]) == {"naive", "torch"} | ({"cpu"} if fast == "cpu" else set())
     assert all(r["forward"]["vs_floor"] > 0 for r in op["kernels"].values())
     assert set(results["depth_traffic"]) == {"block", "full"}  # standard makes no depth-attention call
-    assert all(t["floor_s"] > 0 and t["calls"] == 5 for t in results["depth_traffic"].values())
+    assert results["cold_stream_bandwidth_bytes_per_s"] > 0
+    assert all(t["cold_stream_s"] >= t["floor_s"] > 0 and t["calls"] == 5 for t in results["depth_traffic"].values())
     printed = capsys.readouterr().out
     assert "activations saved for backward" in printed and "block" in printed and "x floor" in printed
     assert "depth-attention traffic" in printed and "eager: floor" in printed
