@@ -16,7 +16,6 @@ No assertions: numbers to read (tests/test_tokens.py and tests/test_prepare.py h
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch
 from attnres.model import Transformer
 from attnres.training.data.prepare import prepare
 from attnres.training.data.tokens import TokensDataModule
+from attnres.training.io import write_json
 
 
 def bench_prepare(workdir: Path, max_files: int | None, vocab: int) -> dict:
@@ -117,7 +117,7 @@ def main() -> None:
             print(f"gpt-small step on {result['gpu']} ({shape}, bf16 autocast, eager): {gpu:.2f} steps/s; "
                   f"loader / step = {result['loader_batches_per_s_workers_0'] / gpu:,.1f}x", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

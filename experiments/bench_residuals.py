@@ -40,6 +40,7 @@ import torch
 from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer
 from attnres.functional import KERNELS, depth_attention, resolve_kernel, triton_available
 from attnres.training.allocator import keep_freed_memory
+from attnres.training.io import write_json
 
 GPT_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 1024, "batch": 16, "vocab": 32768}
 # --quick keeps GPT-small's depth, width and vocabulary (what sets AttnRes's cost relative to
@@ -440,8 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save() -> None:  # after every stage: a run cut short still leaves its figures
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2))
+            write_json(args.json, results)  # atomically: a run killed while writing keeps the last figures
 
     bandwidth = args.bandwidth or (H200_BANDWIDTH if dev.type == "cuda" else copy_bandwidth(dev))
     results["op"] = bench_op(args, bandwidth)

@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from attnres.training.io import write_json
 
 STRATEGIES = {"standard": ["residual=standard"], "block": ["residual=block", "num_blocks=8"],
               "full": ["residual=full"]}
@@ -71,6 +74,10 @@ def run_once(name: str, args: argparse.Namespace, root: Path, round_: int) -> di
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    if proc.returncode in (130, -signal.SIGINT):  # the run was stopped (Ctrl-C reaches it too): so is this
+        raise KeyboardInterrupt
+    if proc.returncode in (143, -signal.SIGTERM):
+        raise Stopped
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise SystemExit(f"bench_runner: {name} failed (exit {proc.returncode}): {' | '.join(tail)}")
@@ -93,8 +100,32 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             "ratio_of_medians": {n: v / medians["standard"] for n, v in medians.items()}}
 
 
+class Stopped(Exception):
+    """SIGTERM, raised where the main thread is (as SIGINT raises KeyboardInterrupt), so that the
+    run in progress is killed and the temporary run folders are removed on the way out."""
+
+
+def _stop(signum, frame):
+    raise Stopped
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _main(args)
+    except (KeyboardInterrupt, Stopped) as stop:
+        sigint = isinstance(stop, KeyboardInterrupt)
+        kept = f"; the finished runs' figures are in {args.json}" if args.json and args.json.exists() else ""
+        where = f"the run folders are in {args.keep}" if args.keep else "the temporary run folders were removed"
+        print(f"\nbench_runner: stopped by {'SIGINT' if sigint else 'SIGTERM'}; the run in progress was stopped, "
+              f"{where}{kept}", file=sys.stderr)
+        raise SystemExit(130 if sigint else 143) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> dict:
     results: dict = {"info": {"steps": args.steps, "rounds": args.rounds, "threads": args.threads,
                               "compile": args.compile, "overrides": args.overrides}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_runner-") as tmp:
@@ -111,8 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[{done}/{total}] {name}: {res['tokens_per_sec']:.0f} tokens/s, {res['wall_s']:.0f} s wall",
                       flush=True)
                 if args.json:
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    args.json.write_text(json.dumps(results, indent=2))
+                    write_json(args.json, results)
     results.update(summarise(results["runs"]))
     print(f"\n{args.steps} steps x {args.rounds} rounds, compile={args.compile}, threads={args.threads or 'default'}")
     medians, paired = results["median_tokens_per_sec"], results["paired_ratio"]
@@ -123,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {n:<9} {v:9.0f} tokens/s  {paired[n]['median']:.3f}x standard{spread}   "
               f"wall {statistics.median(walls):.0f} s per run")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
         print(f"wrote {args.json}")
     return results
 

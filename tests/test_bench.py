@@ -102,3 +102,37 @@ def test_depth_traffic_counts_each_call_of_a_block_step(bench, kernel):
     s = args.shape
     tokens = s["batch"] * s["seq_len"]
     assert traffic == {"calls": 5, "bytes": 47 * tokens * s["n_embd"] * 4 + 2 * 28 * tokens * 4}
+
+
+@pytest.mark.parametrize(("child_exit", "code", "signame"), [(130, 130, "SIGINT"), (-15, 143, "SIGTERM")])
+def test_runner_stopped_mid_run_says_so_in_one_line_and_leaves_no_run_folder(
+        monkeypatch, tmp_path, capsys, child_exit, code, signame):
+    """A run that ends by SIGINT (Ctrl-C reaches the whole process group) or SIGTERM stops the
+    benchmark with it: one line, the signal's exit code, the temporary run folders removed, the
+    finished runs' figures kept."""
+    import subprocess
+    import tempfile
+
+    runner = _script("bench_runner")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        run_dir = Path(next(a for a in cmd if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        if len(calls) == 1:  # standard finishes
+            run_dir.mkdir(parents=True)
+            (run_dir / "metrics.json").write_text(json.dumps({"tokens_per_sec": 1000.0, "wall_time_s": 1.0}))
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        run_dir.mkdir(parents=True)  # block is stopped part way
+        return subprocess.CompletedProcess(cmd, child_exit, "", "")
+
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
+    out = tmp_path / "figures" / "runner.json"
+    with pytest.raises(SystemExit) as stop:
+        runner.main(["--steps", "20", "--rounds", "1", "--strategies", "block", "--json", str(out)])
+    assert stop.value.code == code and len(calls) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"bench_runner: stopped by {signame}") and str(out) in err[0]
+    assert not list(tmp_path.glob("bench_runner-*"))
+    assert list(json.loads(out.read_text())["runs"]) == ["standard"]
