@@ -100,7 +100,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             "ratio_of_medians": {n: v / medians["standard"] for n, v in medians.items()}}
 
 
-class Stopped(Exception):
+class Stopped(BaseException):  # as KeyboardInterrupt: no `except Exception` swallows it
     """SIGTERM, raised where the main thread is (as SIGINT raises KeyboardInterrupt), so that the
     run in progress is killed and the temporary run folders are removed on the way out."""
 
