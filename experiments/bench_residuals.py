@@ -11,11 +11,11 @@ GPU), measures
 
 eager and under torch.compile, and the depth-attention op alone (N + 1 sources, all B*T
 tokens) against its memory-traffic floor; and for each AttnRes strategy the least bytes the
-depth-attention calls of one train step move, as time at the measured bandwidth and as the least
-ratio to standard's step any implementation of them could reach. Times are medians of repeated steps after
-warm-up, CUDA events on GPU; the strategies are timed in interleaved rounds (standard,
-block, full, standard, ...) so that a busy machine slows all of them alike. Prints a table
-of ratios to standard and, with --json PATH, writes every figure.
+depth-attention calls of one train step move, as time at the measured bandwidth and as the
+least ratio to standard's step any implementation of them could reach. Times are medians of
+repeated steps after warm-up, CUDA events on GPU; the strategies are timed in interleaved
+rounds (standard, block, full, standard, ...) so that a busy machine slows all of them alike.
+Prints a table of ratios to standard and, with --json PATH, writes every figure.
 
     python experiments/bench_residuals.py                  # GPU, GPT-small, eager + compiled
     python experiments/bench_residuals.py --quick          # CPU-sized (T 128, batch 2), eager, 1 thread
@@ -363,7 +363,9 @@ def call_traffic(calls: list[tuple[list[int], int, int, int, int]]) -> int:
         stats = (n + K * n + K + P) * m * 4
         total += (n + P + K) * row + stats  # forward
         total += (n + K + 2 * P) * row + stats  # backward, less the source gradients
-    return total + sum(2 * c - 1 for c in readers.values()) * calls[0][3] if calls else 0
+    if not calls:
+        return 0
+    return total + sum(2 * c - 1 for c in readers.values()) * calls[0][3]  # the sources' gradients
 
 
 def depth_traffic(case: Case) -> dict | None:

@@ -102,7 +102,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 class Stopped(BaseException):  # as KeyboardInterrupt: no `except Exception` swallows it
     """SIGTERM, raised where the main thread is (as SIGINT raises KeyboardInterrupt), so that the
-    run in progress is killed and the temporary run folders are removed on the way out."""
+    run in progress is stopped (`subprocess.run` kills it) and the temporary run folders are
+    removed on the way out."""
 
 
 def _stop(signum, frame):
