@@ -29,10 +29,11 @@ only the normed result; with gradients they also write h, which the backward rea
 RMSNorm would keep its input too, and add a read of h forward and a write and read of dh
 backward). The "torch" and "naive" paths compute the same in plain PyTorch.
 
-The two-phase API (`key_inv_rms`, `completed_attention`, `merge_partial`) is what the
-residual strategies use: statistics of a completed source computed once, the queries of
-several sublayers against all completed sources in one pass (phase 1), and each sublayer's
-own newest sources merged in with an online-softmax update (phase 2).
+The two-phase API (`key_inv_rms`, `completed_attention`, `merge_completed`, `merge_partial`)
+is what the residual strategies use: statistics of a completed source computed once, the
+queries of several sublayers against all completed sources in one pass (phase 1, which
+`merge_completed` extends by sources completed since), and each sublayer's own newest
+sources merged in with an online-softmax update (phase 2).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ __all__ = [
     "full_attn_res",
     "generalized_depth_attention",
     "key_inv_rms",
+    "merge_completed",
     "merge_partial",
     "resolve_kernel",
     "static_depth_mixing",
@@ -294,6 +296,44 @@ def completed_attention(
     impl = _impl("torch" if kernel == "naive" else kernel)
     outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, (), None, eps, stacked=stacked)
     return outs, lse
+
+
+def merge_completed(
+    accs: Sequence[Tensor],
+    lse: Tensor,
+    sources: Sequence[Tensor],
+    inv_rms: Tensor | None,
+    queries: Tensor,
+    eps: float = 1e-6,
+    kernel: str = "auto",
+    stacked: Tensor | tuple | None = None,
+) -> tuple[list[Tensor], Tensor]:
+    """Phase 1 extended by more completed sources: K phase-1 results `accs` (K tensors (..., D))
+    with their log-sum-exp `lse` (K, ...) and the same K queries (K, D) merged with `sources`
+    as one softmax over all (the online-softmax merge of `merge_partial`, for K queries).
+    Returns the K outputs and their log-sum-exp, which `merge_partial` (or this) extends further.
+    Block AttnRes runs a block's phase 1 one block early, with the block before it, over all
+    completed blocks but the newest, and merges the newest here (`BlockAttentionResidual`).
+    `inv_rms` and `stacked`: as for `merge_partial`."""
+    sources = list(sources)
+    kernel = resolve_kernel(kernel, accs[0])
+    impl = _impl("torch" if kernel == "naive" else kernel)
+    if merge_queries(kernel) is None or len(accs) <= merge_queries(kernel):
+        outs, _, merged = impl.run_depth_attention(sources, inv_rms, queries, list(accs), lse, eps, stacked=stacked)
+        return outs, merged
+    outs, merged = [], []  # a kernel that takes one query with a prefix: a call per query
+    for k, acc in enumerate(accs):
+        out, _, one = impl.run_depth_attention(sources, inv_rms, queries[k : k + 1], [acc], lse[k : k + 1], eps,
+                                               stacked=stacked)
+        outs += out
+        merged.append(one)
+    return outs, torch.cat(merged)
+
+
+def merge_queries(kernel: str) -> int | None:
+    """How many queries one `merge_completed` pass of `kernel` (resolved, `resolve_kernel`)
+    serves: None for any number, else more take a pass each (the Triton kernels: 1)."""
+    return getattr(_impl("torch" if kernel == "naive" else kernel), "PREFIX_QUERIES", None)
 
 
 def merge_partial(

@@ -32,6 +32,7 @@ from attnres.functional import (
     depth_attention,
     fold_queries,
     key_inv_rms,
+    merge_completed,
     merge_partial,
     resolve_kernel,
     triton_available,
@@ -333,6 +334,36 @@ def test_two_phase_matches_reference(kernel, device, dtype, n, K, extra, cached,
     assert_close(rel_err, grads, ref_grads, tol, "grad")
 
 
+@pytest.mark.parametrize("n,K,extra", [(3, 2, 1), (2, 6, 1), (4, 3, 2)],
+                         ids=["n3-K2-extra1", "n2-K6-extra1", "n4-K3-extra2"])
+@pytest.mark.parametrize("kernel,device,dtype", impl_params([torch.float64], [torch.float32]))
+def test_merge_completed_extends_phase_one(kernel, device, dtype, n, K, extra, rel_err, ref_depth_attention):
+    """Phase 1 over n sources, then `merge_completed` by `extra` sources completed since for
+    all K queries (Block AttnRes's phase 1 run a block early), then phase 2 by one more source
+    from the merged log-sum-exp: attention over n + extra and over all sources, and the merged
+    log-sum-exp, forward and every gradient, against the float64 reference."""
+    eps, D, lead = 1e-6, 24, (2, 3)
+    srcs, _, _ = sources_and_params(n + extra + 1, 0, 0, D, dtype, device, seed=5 * n + K, lead=lead)
+    gen = torch.Generator().manual_seed(K)
+    Q = (torch.randn(K, D, generator=gen, dtype=torch.float64) * 2 / D**0.5).to(device, dtype).requires_grad_()
+    G = (1 + 0.5 * torch.randn(K, D, generator=gen, dtype=torch.float64)).to(device, dtype).requires_grad_()
+    queries = fold_queries(Q, G, dtype)
+    early, lse0 = completed_attention(srcs[:n], None, queries, eps, kernel)
+    accs, lse = merge_completed(early, lse0, srcs[n : n + extra], None, queries, eps, kernel)
+    assert len(accs) == K and lse.shape == (K, *lead)
+    hs = [merge_partial(accs[k], lse[k], srcs[-1:], None, queries[k], eps, kernel) for k in range(K)]
+    outputs = [*hs, *accs, lse]
+    cot = cotangents_for(outputs, seed=n)
+    inputs = [*srcs, Q, G]
+    grads = grads_of(outputs, cot, inputs)
+    ref_inputs = upcast(inputs)
+    ref_outputs = ref_two_phase(ref_depth_attention, ref_inputs[: n + extra + 1], n + extra, ref_inputs[-2],
+                                ref_inputs[-1], eps)
+    ref_grads = grads_of(ref_outputs, cot, ref_inputs)
+    assert_close(rel_err, outputs, ref_outputs, TOL[dtype], "forward")
+    assert_close(rel_err, grads, ref_grads, TOL[dtype], "grad")
+
+
 @pytest.mark.parametrize("n,K,extra", [(1, 2, 1), (4, 2, 1), (3, 3, 2), (5, 1, 3)],
                          ids=["n1-K2-merge1", "n4-K2-merge1", "n3-K3-merge2", "n5-K1-merge3"])
 def test_two_phase_reads_a_source_stack_as_the_list(n, K, extra, rel_err, ref_depth_attention):
@@ -426,6 +457,8 @@ STRATEGY_CASES = [
     ("block", 7, (3, 3, 1), True, True),  # an odd stack
     ("block", 7, (2, 3, 2), True, True),  # the middle block the longest
     ("block", 7, (1, 6), False, False),  # a block of 6 > 4 queries after one of 1
+    ("block", 16, 8, True, True),  # the default: blocks 2-3, 4-5, 6-7 share a phase-1 pass (`ahead_blocks`)
+    ("block", 15, (3, 3, 3, 3, 3), True, True),  # two shared passes of 6 > 4 queries
     ("full", 3, None, True, True),
     ("full", 9, None, True, True),  # chunks of C = 3 sublayers
     ("full", 5, None, False, False),

@@ -90,6 +90,9 @@ CONFIGS = [
     ("block", 7, (2, 5), False, True),
     ("block", 7, (2, 3, 2), True, True),  # the middle block the longest
     ("block", 5, (1, 1, 3), True, False),
+    # phase 1 a block early (`ahead_blocks`): the default's pairs (blocks 2-3, 4-5, 6-7), 6 queries in one pass
+    ("block", 16, 8, True, True),
+    ("block", 15, (3, 3, 3, 3, 3), False, True),
 ]
 
 
@@ -580,3 +583,23 @@ def test_encoder_with_wrong_num_layers_raises(cls):
     strategy = cls(D, 4) if cls is not BlockAttentionResidual else cls(D, 4, num_blocks=2)
     with pytest.raises(ValueError, match=r"3 layers has 6 sublayers.*num_layers=6, not 4"):
         strategy.double()(encoder, torch.randn(2, 5, D, dtype=torch.float64))
+
+
+def test_block_runs_phase_one_a_block_early_where_that_reads_less(monkeypatch):
+    """`ahead_blocks`: a block shares its phase-1 pass with the next when 4c > 5 S' (c completed
+    blocks, S' the next block's sublayers); the fast path then merges only the newest block into
+    the next block's results (`merge_completed`), once per pair."""
+    from attnres.residual import block as block_module
+    from attnres.residual.block import ahead_blocks
+
+    f, t = False, True
+    assert ahead_blocks((2,) * 8) == (f, f, t, f, t, f, t, f)  # the default: blocks 2-3, 4-5, 6-7
+    assert ahead_blocks((1,) * 4) == (f, t, f, f)  # S' = 1: from c = 2
+    assert ahead_blocks((2, 2)) == (f, f) and ahead_blocks((4,)) == (f,)
+    assert ahead_blocks((3,) * 5) == (f, f, f, t, f)  # c = 4 > 3.75
+    calls = []
+    real = block_module.merge_completed
+    monkeypatch.setattr(block_module, "merge_completed", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    strategy = build("block", 16, 8, True, True, kernel="torch")
+    strategy(torch.randn(1, 2, D, dtype=torch.float64), make_sublayers(16))
+    assert calls == [2, 2, 2]  # each pair's second block: its 2 queries

@@ -53,6 +53,7 @@ from torch import Tensor
 from attnres.ops.torch_fused import attend
 
 __all__ = ["fused_depth_attention", "inv_rms", "run_depth_attention"]
+PREFIX_QUERIES = 1  # a prefix (phase-1 result) is taken with one query per call; other kernels take any
 
 MAX_K = 4  # queries served by one launch at most; more are split into several launches
 _MAX_BLOCK_D = 16384

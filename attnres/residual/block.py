@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import Tensor
 
-from attnres.functional import SourceStack, completed_attention, merge_partial
+from attnres.functional import SourceStack, completed_attention, merge_completed, merge_partial, merge_queries
 from attnres.residual.base import DepthAttentionResidual, Sublayer
 
 
@@ -75,6 +75,26 @@ def resolve_block_sizes(
             f"valid values: {', '.join(map(str, _divisors(num_layers)))}"
         )
     return (num_layers // num_blocks,) * num_blocks
+
+
+def ahead_blocks(sizes: Sequence[int]) -> tuple[bool, ...]:
+    """For each block, whether the fast path runs the next block's phase 1 with its own (one
+    pass over the completed blocks for both; the next block then merges only the block
+    completed in between, `merge_completed`). Block n (from 0) reads c = n + 1 completed blocks.
+    Paired, those c are read once instead of twice forward and backward and their gradients
+    added into once instead of twice: 4c tensor passes (one (..., D) tensor each) fewer. The
+    next block's S' queries cost 5 more each: their early results written and read forward,
+    read again for the merge's backward, and their gradients written and read. Paired when
+    4c > 5 S', each block in one pair at most: N=8 blocks of 2 pair blocks 2-3, 4-5 and 6-7."""
+    ahead = [False] * len(sizes)
+    n = 0
+    while n + 1 < len(sizes):
+        if 4 * (n + 1) > 5 * sizes[n + 1]:
+            ahead[n] = True
+            n += 2
+        else:
+            n += 1
+    return tuple(ahead)
 
 
 class BlockAttentionResidual(DepthAttentionResidual):
@@ -125,6 +145,7 @@ class BlockAttentionResidual(DepthAttentionResidual):
         self.block_size = sizes[0] if len(set(sizes)) == 1 else None  # S, sublayers per block, if equal
         # the first sublayer of each block: where the partial sum is closed into a completed block
         self._starts = tuple(sum(sizes[:n]) for n in range(len(sizes)))
+        self._ahead = ahead_blocks(sizes)
 
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         kernel = self.fast_kernel(embedding)
@@ -149,10 +170,23 @@ class BlockAttentionResidual(DepthAttentionResidual):
         eps = self.eps
         queries = self.fast_queries(embedding)  # (L + 1, D)
         blocks = SourceStack(embedding, self.num_blocks + 1, eps, kernel)  # completed blocks
-        for start, S in zip(self._starts, self.block_sizes, strict=True):
-            # phase 1: the S queries of this block against all completed blocks, one pass
-            done, done_rms, stacked = blocks.take()
-            accs, lse = completed_attention(done, done_rms, queries[start : start + S], eps, kernel, stacked)
+        early: tuple[list[Tensor], Tensor] | None = None  # this block's phase 1 but for the newest block
+        # a kernel whose merge serves one query at a time would read the newest block once per query
+        ahead = self._ahead if merge_queries(kernel) is None else (False,) * self.num_blocks
+        for n, (start, S) in enumerate(zip(self._starts, self.block_sizes, strict=True)):
+            if early is None:
+                # phase 1: the S queries of this block (and of the next, see `ahead_blocks`)
+                # against all completed blocks, one pass
+                stop = start + S + (self.block_sizes[n + 1] if ahead[n] else 0)
+                done, done_rms, stacked = blocks.take()
+                accs, lse = completed_attention(done, done_rms, queries[start:stop], eps, kernel, stacked)
+                if ahead[n]:
+                    early, accs, lse = (accs[S:], lse[S:]), accs[:S], lse[:S]
+            else:  # phase 1 done a block early: the newest completed block merged in
+                newest, newest_rms, stacked = blocks.take(n, n + 1)
+                accs, lse = merge_completed(*early, newest, newest_rms, queries[start : start + S], eps, kernel,
+                                            stacked)
+                early = None
             partial: Tensor | None = None
             for i in range(S):
                 index = start + i
