@@ -418,6 +418,17 @@ def depth_traffic(case: Case) -> dict | None:
 # ------------------------------------------------------------------------------------------------
 
 
+def paired_ratio(samples: list[float], base: list[float]) -> tuple[float, float, float]:
+    """Quartiles (first, median, third) of each round's time over the base's time in the same
+    round: the rounds run the strategies one after another, so a machine that slows down for a
+    while moves both sides of a round's ratio, where it moves the medians of each apart."""
+    ratios = [x / b for x, b in zip(samples, base, strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
 def fmt_ratio(x: float | None, base: float | None) -> str:
     return "n/a" if x is None or not base else f"{x / base:.3f}x"
 
@@ -507,6 +518,11 @@ def report(results: dict) -> None:
                 value = "n/a" if x is None else (f"{x * 1e3:8.2f} ms" if unit == "ms" else f"{x / 2**30:6.2f} GiB")
                 cells.append(f"{value} {fmt_ratio(x, base.get(key)):>7}")
             print(f"{name:<9}| " + " | ".join(cells))
+        paired = {name: paired_ratio(r["train_samples_s"], base["train_samples_s"])
+                  for name, r in rows.items() if name != "standard" and base.get("train_samples_s")}
+        if paired:
+            print("train step over standard's in the same round, median (quartiles) over rounds: " + ", ".join(
+                f"{name} {q[1]:.3f}x ({q[0]:.3f}-{q[2]:.3f})" for name, q in paired.items()))
     saved = results.get("saved_for_backward_bytes")
     if saved:
         base = saved.get("standard")

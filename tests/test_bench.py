@@ -53,6 +53,14 @@ def test_bench_writes_every_figure(bench, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "activations saved for backward" in printed and "block" in printed and "x floor" in printed
     assert "depth-attention traffic" in printed and "eager: floor" in printed
+    assert "median (quartiles) over rounds: block" in printed
+
+
+def test_step_ratio_pairs_each_round_with_standards(bench):
+    assert bench.paired_ratio([1.0, 1.1, 1.2, 1.3, 1.4], [1.0] * 5) == pytest.approx((1.1, 1.2, 1.3))
+    # a round on a slow machine is slow for both: its ratio is that of the others
+    assert bench.paired_ratio([1.1, 2.2, 1.1], [1.0, 2.0, 1.0]) == pytest.approx((1.1, 1.1, 1.1))
+    assert bench.paired_ratio([1.5], [1.0]) == (1.5, 1.5, 1.5)
 
 
 def test_saved_bytes_count_each_storage_once_and_leave_out_parameters(bench):
