@@ -457,7 +457,7 @@ STRATEGY_CASES = [
     ("block", 7, (3, 3, 1), True, True),  # an odd stack
     ("block", 7, (2, 3, 2), True, True),  # the middle block the longest
     ("block", 7, (1, 6), False, False),  # a block of 6 > 4 queries after one of 1
-    ("block", 16, 8, True, True),  # the default: blocks 2-3, 4-5, 6-7 share a phase-1 pass (`ahead_blocks`)
+    ("block", 16, 8, True, True),  # the default: blocks 3-4, 5-6, 7-8 share a phase-1 pass (`ahead_blocks`)
     ("block", 15, (3, 3, 3, 3, 3), True, True),  # two shared passes of 6 > 4 queries
     ("full", 3, None, True, True),
     ("full", 9, None, True, True),  # chunks of C = 3 sublayers

@@ -90,7 +90,7 @@ CONFIGS = [
     ("block", 7, (2, 5), False, True),
     ("block", 7, (2, 3, 2), True, True),  # the middle block the longest
     ("block", 5, (1, 1, 3), True, False),
-    # phase 1 a block early (`ahead_blocks`): the default's pairs (blocks 2-3, 4-5, 6-7), 6 queries in one pass
+    # phase 1 a block early (`ahead_blocks`): the default's pairs (blocks 3-4, 5-6, 7-8 of 8), 6 queries in one pass
     ("block", 16, 8, True, True),
     ("block", 15, (3, 3, 3, 3, 3), False, True),
 ]
@@ -593,7 +593,7 @@ def test_block_runs_phase_one_a_block_early_where_that_reads_less(monkeypatch):
     from attnres.residual.block import ahead_blocks
 
     f, t = False, True
-    assert ahead_blocks((2,) * 8) == (f, f, t, f, t, f, t, f)  # the default: blocks 2-3, 4-5, 6-7
+    assert ahead_blocks((2,) * 8) == (f, f, t, f, t, f, t, f)  # the default: blocks 3-4, 5-6, 7-8 of 8
     assert ahead_blocks((1,) * 4) == (f, t, f, f)  # S' = 1: from c = 2
     assert ahead_blocks((2, 2)) == (f, f) and ahead_blocks((4,)) == (f,)
     assert ahead_blocks((3,) * 5) == (f, f, f, t, f)  # c = 4 > 3.75

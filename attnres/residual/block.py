@@ -18,7 +18,10 @@ statistic is computed once; at the start of block n its S_n sublayers' queries m
 completed blocks in one batched pass (phase 1, `completed_attention`), and sublayer i >= 2
 then merges only its own partial sum into that result with an online-softmax update
 (phase 2, `merge_partial`). Unequal blocks take the same path: phase 1 serves any number
-of queries.
+of queries. Where it reads less (`ahead_blocks`: blocks 3-4, 5-6 and 7-8 of the default N=8),
+a block's phase-1 pass serves the next block's queries too, over all blocks completed so far;
+the next block then merges only the one block completed in between (`merge_completed`): each
+completed block is read, and its gradient added into, once for both.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def ahead_blocks(sizes: Sequence[int]) -> tuple[bool, ...]:
     added into once instead of twice: 4c tensor passes (one (..., D) tensor each) fewer. The
     next block's S' queries cost 5 more each: their early results written and read forward,
     read again for the merge's backward, and their gradients written and read. Paired when
-    4c > 5 S', each block in one pair at most: N=8 blocks of 2 pair blocks 2-3, 4-5 and 6-7."""
+    4c > 5 S', each block in one pair at most: N=8 blocks of 2 pair blocks 2-3, 4-5 and 6-7 (from 0)."""
     ahead = [False] * len(sizes)
     n = 0
     while n + 1 < len(sizes):
