@@ -588,7 +588,8 @@ def test_encoder_with_wrong_num_layers_raises(cls):
 def test_block_runs_phase_one_a_block_early_where_that_reads_less(monkeypatch):
     """`ahead_blocks`: a block shares its phase-1 pass with the next when 4c > 5 S' (c completed
     blocks, S' the next block's sublayers); the fast path then merges only the newest block into
-    the next block's results (`merge_completed`), once per pair."""
+    the next block's results (`merge_completed`), once per pair. The output's query joins the last
+    phase-1 pass when that reads 2 blocks or more, and merges the blocks completed since."""
     from attnres.residual import block as block_module
     from attnres.residual.block import ahead_blocks
 
@@ -602,4 +603,8 @@ def test_block_runs_phase_one_a_block_early_where_that_reads_less(monkeypatch):
     monkeypatch.setattr(block_module, "merge_completed", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
     strategy = build("block", 16, 8, True, True, kernel="torch")
     strategy(torch.randn(1, 2, D, dtype=torch.float64), make_sublayers(16))
-    assert calls == [2, 2, 2]  # each pair's second block: its 2 queries
+    # each pair's second block (its 2 queries), then the output: its query ran with the last pair
+    assert calls == [2, 2, 2, 1]
+    calls.clear()
+    build("block", 4, 1, True, True, kernel="torch")(torch.randn(1, 2, D, dtype=torch.float64), make_sublayers(4))
+    assert calls == []  # one block: its phase 1 reads the embedding alone, the output reads both

@@ -21,7 +21,8 @@ then merges only its own partial sum into that result with an online-softmax upd
 of queries. Where it reads less (`ahead_blocks`: blocks 3-4, 5-6 and 7-8 of the default N=8),
 a block's phase-1 pass serves the next block's queries too, over all blocks completed so far;
 the next block then merges only the one block completed in between (`merge_completed`): each
-completed block is read, and its gradient added into, once for both.
+completed block is read, and its gradient added into, once for both. The output's query joins
+the last phase-1 pass and merges only the blocks completed after it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from attnres.functional import SourceStack, completed_attention, merge_completed, merge_partial, merge_queries
@@ -176,13 +178,24 @@ class BlockAttentionResidual(DepthAttentionResidual):
         early: tuple[list[Tensor], Tensor] | None = None  # this block's phase 1 but for the newest block
         # a kernel whose merge serves one query at a time would read the newest block once per query
         ahead = self._ahead if merge_queries(kernel) is None else (False,) * self.num_blocks
+        # the output's query joins the last phase-1 pass when that reads 2 or more blocks (the
+        # reckoning of `ahead_blocks` with S' = 1), and merges the blocks completed since at the end
+        last = max(n for n in range(self.num_blocks) if n == 0 or not ahead[n - 1])
+        output_early = self.output_aggregation and last >= 1
+        early_output: tuple[list[Tensor], Tensor] | None = None
+        L = self.num_layers
         for n, (start, S) in enumerate(zip(self._starts, self.block_sizes, strict=True)):
             if early is None:
                 # phase 1: the S queries of this block (and of the next, see `ahead_blocks`)
                 # against all completed blocks, one pass
                 stop = start + S + (self.block_sizes[n + 1] if ahead[n] else 0)
+                mine = queries[start:stop]
+                if output_early and n == last:
+                    mine = torch.cat((mine, queries[L:]))
                 done, done_rms, stacked = blocks.take()
-                accs, lse = completed_attention(done, done_rms, queries[start:stop], eps, kernel, stacked)
+                accs, lse = completed_attention(done, done_rms, mine, eps, kernel, stacked)
+                if output_early and n == last:
+                    early_output, accs, lse = (accs[-1:], lse[-1:]), accs[:-1], lse[:-1]
                 if ahead[n]:
                     early, accs, lse = (accs[S:], lse[S:]), accs[:S], lse[:S]
             else:  # phase 1 done a block early: the newest completed block merged in
@@ -200,7 +213,11 @@ class BlockAttentionResidual(DepthAttentionResidual):
                 out = self.call_sublayer(index, sublayers[index], h, sublayer_kwargs)
                 partial = out if partial is None else partial + out
             blocks.append(partial, statistics=start + S < self.num_layers or self.output_aggregation)
-        return self.fast_output(blocks, queries, kernel)
+        if early_output is None:
+            return self.fast_output(blocks, queries, kernel)
+        newer, newer_rms, stacked = blocks.take(last + 1, self.num_blocks + 1)
+        outs, _ = merge_completed(*early_output, newer, newer_rms, queries[L:], eps, kernel, stacked)
+        return outs[0]
 
     def depth_layout(self) -> tuple[str, list[str], str]:
         cols = ["emb", *(f"block {n}" for n in range(1, self.num_blocks + 1))]
