@@ -99,17 +99,17 @@ def test_runner_ratio_is_the_median_of_each_rounds_own_ratio():
 @pytest.mark.parametrize("kernel", ["auto", "torch"])
 def test_depth_traffic_counts_each_call_of_a_block_step(bench, kernel):
     """Block N=2 on 4 sublayers (S=2): phase 1 over [e] (K=2), phase 2 over sublayer 0's output
-    p1 (after a prefix), phase 1 over [e, b1] (K=2), phase 2 over sublayer 2's output, the output
-    over [e, b1, b2]. Rows (one (B, T, D) tensor each), forward n + P + K and backward
-    n + K + 2P: 6 + 7 + 8 + 7 + 8 = 36; the source gradients, 2c - 1 for a source c calls read
-    (e 3, b1 2, the rest 1): 5 + 3 + 1 + 1 + 1 = 11. Statistics per token, twice:
-    (n + K n + K + P) = 5 + 4 + 8 + 4 + 7 = 28."""
+    p1 (after a prefix), phase 1 over [e, b1] with the output's query (K=3), phase 2 over
+    sublayer 2's output, the output's merge of b2 (after a prefix). Rows (one (B, T, D) tensor
+    each), forward n + P + K and backward n + K + 2P: 6 + 7 + 10 + 7 + 7 = 37; the source
+    gradients, 2c - 1 for a source c calls read (e 2, the rest 1): 3 + 1 + 1 + 1 + 1 = 7.
+    Statistics per token, twice: (n + K n + K + P) = 5 + 4 + 11 + 4 + 4 = 28."""
     args = bench.parse_args([*TINY.split(), "--device", "cpu", "--kernel", kernel])
     assert bench.depth_traffic(bench.Case("standard", args)) is None
     traffic = bench.depth_traffic(bench.Case("block", args))
     s = args.shape
     tokens = s["batch"] * s["seq_len"]
-    assert traffic == {"calls": 5, "bytes": 47 * tokens * s["n_embd"] * 4 + 2 * 28 * tokens * 4}
+    assert traffic == {"calls": 5, "bytes": 44 * tokens * s["n_embd"] * 4 + 2 * 28 * tokens * 4}
 
 
 @pytest.mark.parametrize(("child_exit", "code", "signame"), [(130, 130, "SIGINT"), (-15, 143, "SIGTERM")])
