@@ -318,7 +318,8 @@ def merge_completed(
     sources = list(sources)
     kernel = resolve_kernel(kernel, accs[0])
     impl = _impl("torch" if kernel == "naive" else kernel)
-    if merge_queries(kernel) is None or len(accs) <= merge_queries(kernel):
+    limit = merge_queries(kernel)
+    if limit is None or len(accs) <= limit:
         outs, _, merged = impl.run_depth_attention(sources, inv_rms, queries, list(accs), lse, eps, stacked=stacked)
         return outs, merged
     outs, merged = [], []  # a kernel that takes one query with a prefix: a call per query
@@ -355,8 +356,7 @@ def merge_partial(
     impl = _impl("torch" if kernel == "naive" else kernel)
     if len(sources) == 1 and hasattr(impl, "merge_one"):  # e.g. Block AttnRes's partial sum: a few ops
         return impl.merge_one(acc, lse, sources[0], query, eps)
-    outs, _, _ = impl.run_depth_attention(sources, inv_rms, query.unsqueeze(0), (acc,), lse.unsqueeze(0), eps,
-                                          stacked=stacked)
+    outs, _ = merge_completed([acc], lse.unsqueeze(0), sources, inv_rms, query.unsqueeze(0), eps, kernel, stacked)
     return outs[0]
 
 

@@ -189,12 +189,11 @@ class BlockAttentionResidual(DepthAttentionResidual):
                 # phase 1: the S queries of this block (and of the next, see `ahead_blocks`)
                 # against all completed blocks, one pass
                 stop = start + S + (self.block_sizes[n + 1] if ahead[n] else 0)
-                mine = queries[start:stop]
-                if output_early and n == last:
-                    mine = torch.cat((mine, queries[L:]))
+                joins = output_early and n == last  # the output's query rides along
+                mine = torch.cat((queries[start:stop], queries[L:])) if joins else queries[start:stop]
                 done, done_rms, stacked = blocks.take()
                 accs, lse = completed_attention(done, done_rms, mine, eps, kernel, stacked)
-                if output_early and n == last:
+                if joins:
                     early_output, accs, lse = (accs[-1:], lse[-1:]), accs[:-1], lse[:-1]
                 if ahead[n]:
                     early, accs, lse = (accs[S:], lse[S:]), accs[:S], lse[:S]
