@@ -1,8 +1,8 @@
 """Functional depth attention: the public ops (DESIGN.md section 2).
 
 `depth_attention` is the one operation both AttnRes variants share; `full_attn_res`
-and `block_attn_res` are its two public forms. Inputs are validated here, once, and
-then handed to an implementation in `attnres.ops`, chosen by `kernel`:
+and `block_attn_res` are its two public forms. Inputs are validated once and then
+handed to an implementation in `attnres.ops`, chosen by `kernel` (`attnres/ops/dispatch.py`):
 
 - "auto" (default): "triton" for CUDA tensors of a half or float32 dtype (D <= 8192) when
   triton is installed, "cpu" for CPU tensors of float32 or float64 when its C++ kernel builds
@@ -36,19 +36,16 @@ queries of several sublayers against all completed sources in one pass (phase 1,
 sources merged in with an online-softmax update (phase 2).
 """
 
+
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import os
-import re
 from collections.abc import Sequence
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from attnres.ops import cpu_fused, naive_depth_attention
+from attnres.ops import naive_depth_attention
+from attnres.ops.dispatch import KERNELS, SCORINGS, check_call, check_sources, implementation, resolve_kernel
 from attnres.ops.naive import naive_generalized_depth_attention
 from attnres.ops.torch_fused import fold_queries
 
@@ -67,127 +64,6 @@ __all__ = [
     "resolve_kernel",
     "static_depth_mixing",
 ]
-
-KERNELS = ("auto", "triton", "cpu", "torch", "naive")
-SCORINGS = ("softmax", "sigmoid")
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TRITON_MAX_D = 8192  # whole rows live in registers; wider rows spill (experiments/kernel_resources.py)
-
-
-def triton_available() -> bool:
-    """Whether a triton recent enough for the kernels (>= 3.2: tuples of tensors as kernel
-    arguments) is installed, found without importing it."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    for dist in ("triton", "pytorch-triton"):
-        try:
-            version = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
-        return (major, minor) >= (3, 2)
-    return True  # a source build without metadata: assume it is recent
-
-
-def resolve_kernel(kernel: str, like: Tensor) -> str:
-    """The implementation `kernel` stands for with inputs like `like`: "triton", "cpu", "torch"
-    or "naive". Raises ValueError for an unknown name or a Triton request it cannot serve."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
-    if kernel == "auto":
-        usable = like.is_cuda and like.dtype in _TRITON_DTYPES and like.shape[-1] <= _TRITON_MAX_D
-        if usable and triton_available():
-            return "triton"
-        # under torch.compile the C++ kernel too, as two opaque ops in the graph, when an earlier
-        # call built it (nothing is built while Dynamo traces: `cpu_fused.available()`); else
-        # the plain-PyTorch path, which Inductor fuses itself
-        if not _cpu_usable(like):
-            return "torch"
-        return "cpu" if cpu_fused.available() else "torch"
-    if kernel == "cpu":
-        if not _cpu_usable(like):
-            raise ValueError(f"kernel='cpu' takes CPU tensors of float32 or float64, got {like.dtype} on "
-                             f"{like.device}: use kernel='auto' or 'torch'")
-        if not cpu_fused.available():
-            if torch.compiler.is_compiling():
-                raise ValueError("kernel='cpu' under torch.compile needs the C++ kernel built before compiling: "
-                                 "call attnres.ops.cpu_fused.available() first, or use kernel='auto' or 'torch'")
-            raise ValueError(f"kernel='cpu': the C++ kernel could not be built ({cpu_fused.load_error()}); "
-                             "use kernel='torch'")
-    if kernel == "triton":
-        if not triton_available():
-            raise ValueError("kernel='triton' needs the triton package (>= 3.2): pip install 'attnres[triton]'")
-        if like.dtype not in _TRITON_DTYPES:
-            raise ValueError(f"kernel='triton' supports float32, bfloat16 and float16 inputs, got {like.dtype}")
-        if not like.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"kernel='triton' needs CUDA tensors (got {like.device}), or TRITON_INTERPRET=1 in the "
-                "environment before triton is imported to run the kernels in Triton's CPU interpreter"
-            )
-    return kernel
-
-
-def _cpu_usable(like: Tensor) -> bool:
-    return like.device.type == "cpu" and like.dtype in cpu_fused.DTYPES
-
-
-def _impl(kernel: str) -> ModuleType:
-    if kernel == "cpu":
-        return cpu_fused
-    if kernel == "triton":
-        from attnres.ops import triton_fused  # lazy: `import attnres` never imports triton
-
-        return triton_fused
-    from attnres.ops import torch_fused
-
-    return torch_fused
-
-
-def _check_sources(sources: Sequence[Tensor]) -> None:
-    if not sources:
-        raise ValueError("depth attention needs at least one source, got none")
-    first = sources[0]
-    if first.dim() == 0 or first.shape[-1] == 0:
-        raise ValueError(
-            f"sources must be (..., D) tensors with D >= 1 (at least one dimension), source 0 has shape "
-            f"{tuple(first.shape)}"
-        )
-    for i, v in enumerate(sources[1:], start=1):
-        if v.shape != first.shape:
-            raise ValueError(
-                f"all sources must share one shape: source 0 is {tuple(first.shape)}, source {i} is {tuple(v.shape)}"
-            )
-        if v.dtype != first.dtype or v.device != first.device:
-            raise ValueError(
-                f"all sources must share dtype and device: source 0 is {first.dtype} on {first.device}, "
-                f"source {i} is {v.dtype} on {v.device}"
-            )
-
-
-def _check(
-    sources: Sequence[Tensor],
-    pseudo_query: Tensor,
-    norm_weight: Tensor | None,
-    eps: float,
-    output_norm_weight: Tensor | None = None,
-    per_token_query: bool = False,
-) -> None:
-    if sources and not (isinstance(eps, (int, float)) and eps > 0):  # no sources is reported first
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
-    _check_sources(sources)
-    first = sources[0]
-    d = first.shape[-1]
-    if per_token_query and pseudo_query.dim() > 1:  # one query per token: the sources' shape
-        if pseudo_query.shape != first.shape:
-            raise ValueError(
-                f"a per-token pseudo_query must have the sources' shape {tuple(first.shape)}, "
-                f"got {tuple(pseudo_query.shape)}"
-            )
-    elif pseudo_query.shape != (d,):
-        raise ValueError(f"pseudo_query must have shape ({d},) to match D={d}, got {tuple(pseudo_query.shape)}")
-    for name, weight in (("norm_weight", norm_weight), ("output_norm_weight", output_norm_weight)):
-        if weight is not None and weight.shape != (d,):
-            raise ValueError(f"{name} must have shape ({d},) to match D={d}, got {tuple(weight.shape)}")
 
 
 def depth_attention(
@@ -208,11 +84,11 @@ def depth_attention(
     the first result is RMSNorm(h) * output_norm_weight instead of h (module docstring).
     """
     sources = list(sources)
-    _check(sources, pseudo_query, norm_weight, eps, output_norm_weight)
+    check_call(sources, pseudo_query, norm_weight, eps, output_norm_weight)
     kernel = resolve_kernel(kernel, sources[0])
     if kernel == "naive":
         return naive_depth_attention(sources, pseudo_query, norm_weight, eps, output_norm_weight)
-    return _impl(kernel).fused_depth_attention(sources, pseudo_query, norm_weight, eps, output_norm_weight)
+    return implementation(kernel).fused_depth_attention(sources, pseudo_query, norm_weight, eps, output_norm_weight)
 
 
 def generalized_depth_attention(
@@ -235,7 +111,7 @@ def generalized_depth_attention(
     weights (S, ...) averaged over heads (`attnres.ops.naive.naive_generalized_depth_attention`).
     """
     sources = list(sources)
-    _check(sources, pseudo_query, norm_weight, eps, per_token_query=True)
+    check_call(sources, pseudo_query, norm_weight, eps, per_token_query=True)
     d = sources[0].shape[-1]
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")
@@ -249,7 +125,7 @@ def static_depth_mixing(sources: Sequence[Tensor], logits: Tensor) -> tuple[Tens
     over the S sources, the same for every token; no queries, no keys. `logits`: (S,).
     Returns `(h, weights)` as `depth_attention` does: h (..., D), weights (S, ...)."""
     sources = list(sources)
-    _check_sources(sources)
+    check_sources(sources)
     if logits.shape != (len(sources),):
         raise ValueError(f"logits must have shape ({len(sources)},), one per source, got {tuple(logits.shape)}")
     compute_dtype = torch.promote_types(sources[0].dtype, torch.float32)
@@ -273,7 +149,7 @@ def key_inv_rms(source: Tensor, eps: float = 1e-6, kernel: str = "auto") -> Tens
     kernel = resolve_kernel(kernel, source)
     if kernel == "naive":
         kernel = "torch"
-    return _impl(kernel).inv_rms(source, eps)
+    return implementation(kernel).inv_rms(source, eps)
 
 
 def completed_attention(
@@ -293,7 +169,7 @@ def completed_attention(
     stacking them itself), or the pass's gradient sink ("cpu"); None otherwise."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, sources[0])
-    impl = _impl("torch" if kernel == "naive" else kernel)
+    impl = implementation("torch" if kernel == "naive" else kernel)
     outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, (), None, eps, stacked=stacked)
     return outs, lse
 
@@ -317,7 +193,7 @@ def merge_completed(
     `inv_rms` and `stacked`: as for `merge_partial`."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, accs[0])
-    impl = _impl("torch" if kernel == "naive" else kernel)
+    impl = implementation("torch" if kernel == "naive" else kernel)
     limit = merge_queries(kernel)
     if limit is None or len(accs) <= limit:
         outs, _, merged = impl.run_depth_attention(sources, inv_rms, queries, list(accs), lse, eps, stacked=stacked)
@@ -334,7 +210,7 @@ def merge_completed(
 def merge_queries(kernel: str) -> int | None:
     """How many queries one `merge_completed` pass of `kernel` (resolved, `resolve_kernel`)
     serves: None for any number, else more take a pass each (the Triton kernels: 1)."""
-    return getattr(_impl("torch" if kernel == "naive" else kernel), "PREFIX_QUERIES", None)
+    return getattr(implementation("torch" if kernel == "naive" else kernel), "PREFIX_QUERIES", None)
 
 
 def merge_partial(
@@ -353,7 +229,7 @@ def merge_partial(
     `completed_attention`. Returns h (..., D)."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, acc)
-    impl = _impl("torch" if kernel == "naive" else kernel)
+    impl = implementation("torch" if kernel == "naive" else kernel)
     if len(sources) == 1 and hasattr(impl, "merge_one"):  # e.g. Block AttnRes's partial sum: a few ops
         return impl.merge_one(acc, lse, sources[0], query, eps)
     outs, _ = merge_completed([acc], lse.unsqueeze(0), sources, inv_rms, query.unsqueeze(0), eps, kernel, stacked)
@@ -380,7 +256,7 @@ class SourceStack:
         self._inv_rms: list[Tensor] = []
         eager = kernel == "torch" and not torch.compiler.is_compiling()
         self._values = first.new_empty((capacity, *first.shape)) if eager else None
-        impl = _impl(kernel)
+        impl = implementation(kernel)
         # the C++ kernel computes the statistic from the rows it reads anyway: none kept for it
         self._statistics = getattr(impl, "CACHED_STATISTICS", True)
         # and adds each call's source gradients into one buffer per source (`cpu_fused.GradSink`)

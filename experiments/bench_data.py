@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from attnres.atomic import write_json
 from attnres.model import Transformer
 from attnres.training.data.prepare import prepare
 from attnres.training.data.tokens import TokensDataModule
-from attnres.training.io import write_json
 
 
 def bench_prepare(workdir: Path, max_files: int | None, vocab: int) -> dict:

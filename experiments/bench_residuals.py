@@ -38,9 +38,10 @@ from pathlib import Path
 import torch
 
 from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer
-from attnres.functional import KERNELS, depth_attention, resolve_kernel, triton_available
-from attnres.training.allocator import keep_freed_memory
-from attnres.training.io import write_json
+from attnres.atomic import write_json
+from attnres.functional import KERNELS, depth_attention, resolve_kernel
+from attnres.ops.dispatch import triton_available
+from attnres.training.devices import keep_freed_memory
 
 GPT_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 1024, "batch": 16, "vocab": 32768}
 # --quick keeps GPT-small's depth, width and vocabulary (what sets AttnRes's cost relative to
@@ -88,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--op-only", action="store_true", help="only the op-vs-floor measurement")
     p.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
                    help="leave the C library's allocator as it starts (the runner's keep_freed_memory=false); "
-                        "by default the process keeps freed memory, as the runner does (attnres/training/allocator.py)")
+                        "by default the process keeps freed memory, as the runner does (attnres/training/devices.py)")
     args = p.parse_args(argv)
     if args.quick and args.tiny:
         p.error("--quick and --tiny are two shapes: give one")

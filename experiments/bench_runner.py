@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from attnres.training.io import write_json
+from attnres.atomic import write_json
 
 STRATEGIES = {"standard": ["residual=standard"], "block": ["residual=block", "num_blocks=8"],
               "full": ["residual=full"]}

@@ -7,7 +7,7 @@
 Each figure is redrawn from the raw array the `depth_dashboard` callback logs beside the image
 (tensor summaries `depth/heatmap_data`, `magnitude/plot_data`, `grad_norm/plot_data`, with
 their labels as metadata) by the same code that drew the TensorBoard image
-(`attnres.training.figures.render`), so the PNGs are those pictures, pixel for pixel:
+(`attnres.results.figures.render`), so the PNGs are those pictures, pixel for pixel:
 
     heatmap.png     depth-attention weights (AttnRes runs only)
     magnitude.png   RMS of each sublayer's input and output across depth
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from attnres.training import figures
-from attnres.training.summary import short_names
+from attnres.results import figures
+from attnres.results.summary import short_names
 
 EVENTS = "events.out.tfevents.*"
 FILES = {"depth/heatmap": "heatmap.png", "magnitude/plot": "magnitude.png", "grad_norm/plot": "grad_norm.png"}

@@ -49,7 +49,7 @@ class SkipRun(Exception):  # noqa: N818  (a run left out, reported in one line)
 
 def find_runs(root: Path) -> list[Path]:
     """`root` itself when it is a run folder (it holds `.hydra/`), else every run folder below it."""
-    from attnres.training.summary import find_job_dirs
+    from attnres.results.summary import find_job_dirs
 
     return [root] if (root / ".hydra").is_dir() else find_job_dirs(root)
 
@@ -70,7 +70,7 @@ def load_run(run: Path, ckpt: str, device: str) -> tuple[Any, Any, int]:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from attnres.training import naming  # noqa: F401  (the resolver the saved config may name)
+    from attnres.config import naming  # noqa: F401  (the resolver the saved config may name)
 
     config = run / ".hydra" / "config.yaml"
     try:
@@ -106,9 +106,9 @@ def requested(args: argparse.Namespace) -> dict[str, bool]:
 
 def reusable(run: Path, args: argparse.Namespace) -> tuple[Any, int] | None:
     """(probe, step) from the run's probes.json when --reuse may take it, else None."""
+    from attnres.atomic import read_json
     from attnres.probes import RoutingProbe
-    from attnres.training.callbacks import PROBE_JSON
-    from attnres.training.io import read_json
+    from attnres.training.routing import PROBE_JSON
 
     saved = read_json(run / PROBE_JSON)
     try:
@@ -125,7 +125,7 @@ def probe_run(run: Path, args: argparse.Namespace) -> tuple[Any, int]:
     import torch
 
     from attnres.probes import probe_routing
-    from attnres.training.callbacks import evaluation_batches
+    from attnres.training.routing import evaluation_batches
 
     model, datamodule, step = load_run(run, args.ckpt, args.device)
     batches = evaluation_batches(datamodule, args.batches)
@@ -178,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA device here; use --device cpu")
 
-    from attnres.training import figures
-    from attnres.training.callbacks import write_probes
-    from attnres.training.io import atomic_write
-    from attnres.training.summary import short_names
+    from attnres.atomic import atomic_write
+    from attnres.results import figures
+    from attnres.results.summary import short_names
+    from attnres.training.routing import write_probes
 
     results: dict[Path, tuple[Any, int]] = {}
     for run in runs:

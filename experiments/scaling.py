@@ -3,7 +3,7 @@
     attnres-run -m experiment=scaling_ladder          # or any sweep over sizes x residual x seed
     python experiments/scaling.py multirun/scaling_ladder
 
-For each run: training FLOPs C = 6 N tokens + 6 n_layer T D tokens (attnres/training/scaling.py
+For each run: training FLOPs C = 6 N tokens + 6 n_layer T D tokens (attnres/results/scaling.py
 says why). Per strategy: a fit L(C) = a (C / C0)^-b + c over the model sizes. For each AttnRes
 size: the multiple of its compute at which the standard baseline's fit reaches the same loss,
 with a 95% bootstrap interval over seeds, and their geometric mean over sizes. Writes
@@ -21,8 +21,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from attnres.training.io import atomic_write, read_json
-from attnres.training.scaling import (
+from attnres.atomic import atomic_write, read_json
+from attnres.results.scaling import (
     PowerLaw,
     bootstrap_multipliers,
     cells_from_runs,
@@ -31,7 +31,7 @@ from attnres.training.scaling import (
     multipliers,
     training_flops,
 )
-from attnres.training.summary import collect_rows
+from attnres.results.summary import collect_rows
 
 BASELINE = "standard"
 
@@ -162,7 +162,7 @@ def analyse(sweep_dir: Path, metric: str = "val/loss", samples: int = 2000) -> d
 def _plot(path: Path, records, cells, fits, metric: str, title: str) -> None:
     import numpy as np
 
-    from attnres.training.figures import new_figure, strategy_colours
+    from attnres.results.figures import new_figure, strategy_colours
 
     fig = new_figure(7.5, 4.8)
     ax = fig.add_subplot(1, 1, 1)

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from attnres.training.summary import (
+from attnres.results.summary import (
     find_job_dirs,
     format_counts,
     primary_metric,
@@ -22,7 +22,7 @@ from attnres.training.summary import (
     verdict_lines,
     write_sweep_summary,
 )
-from attnres.training.verdict import comparisons
+from attnres.results.verdict import comparisons
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-import attnres.training.io as attnres_io
+import attnres.atomic as attnres_io
 
 
 def _signal(name: str) -> signal.Signals:

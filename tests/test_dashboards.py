@@ -20,8 +20,9 @@ import torch
 
 from attnres import BlockAttentionResidual, Transformer
 from attnres.labels import sublayer_label
-from attnres.training import LitLanguageModel, figures
-from attnres.training.callbacks import DepthDashboard
+from attnres.results import figures
+from attnres.training import LitLanguageModel
+from attnres.training.dashboard import DepthDashboard
 from attnres.training.data import SyntheticDataModule
 
 REPO = Path(__file__).resolve().parents[1]

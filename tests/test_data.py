@@ -16,6 +16,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from attnres.config.errors import ConfigError
 from attnres.training.data import (
     StdlibBytesDataModule,
     SyntheticDataModule,
@@ -24,7 +25,6 @@ from attnres.training.data import (
     exact_match,
 )
 from attnres.training.data.corpus import in_validation
-from attnres.training.errors import ConfigError
 
 
 # -- helpers -------------------------------------------------------------------------------------

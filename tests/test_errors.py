@@ -2,7 +2,7 @@
 exit status 2, no traceback, and nothing written (issue 10, items 2 and 11).
 
 The table of mistaken commands runs the real CLI in a subprocess (slow: each start imports
-Lightning); the checks behind it (attnres/training/validate.py) are also tested in-process."""
+Lightning); the checks behind it (attnres/config/) are also tested in-process."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from attnres.training.errors import ConfigError
-from attnres.training.validate import check_command_line, suggest, validate_config
+from attnres.config.command import check_command_line
+from attnres.config.compose import suggest
+from attnres.config.errors import ConfigError
+from attnres.config.rules import validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

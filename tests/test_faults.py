@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnres.training.io import finite_json, write_json
+from attnres.atomic import finite_json, write_json
 
 TESTS = Path(__file__).resolve().parent
 # tiny model and data, dropout on, validation (and so a checkpoint) every 2 steps, 6 steps in all

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnres.functional import block_attn_res, depth_attention, full_attn_res, triton_available
+from attnres.functional import block_attn_res, depth_attention, full_attn_res
+from attnres.ops.dispatch import triton_available
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

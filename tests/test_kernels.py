@@ -35,9 +35,9 @@ from attnres.functional import (
     merge_completed,
     merge_partial,
     resolve_kernel,
-    triton_available,
 )
 from attnres.ops import cpu_fused, naive_depth_attention
+from attnres.ops.dispatch import triton_available
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = triton_available()  # finds triton (>= 3.2) without importing it

@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from attnres.config.errors import ConfigError
 from attnres.training.data import prepare as prep
+from attnres.training.data import sources
+from attnres.training.data.corpus import stat_file
 from attnres.training.data.tokens import TokensDataModule, open_shard
-from attnres.training.errors import ConfigError
 
 WORDS = "attention residual block depth query softmax layer token stream café über naïve".split()
 
@@ -101,7 +103,7 @@ def test_big_files_are_cut_into_pieces_after_newlines(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "CHUNK_BYTES", 1000)
     single = tmp_path / "one.txt"
     single.write_text("".join(f"line {k} of a long single file\n" for k in range(2000)))
-    tasks = prep.make_tasks([prep.corpus.stat_file(str(tmp_path), str(single))], 0.1)
+    tasks = sources.make_tasks([stat_file(str(tmp_path), str(single))], 0.1)
     assert len(tasks) > 50
     data = single.read_bytes()
     assert all(data[t.start - 1 : t.start] == b"\n" for t in tasks[1:])
@@ -172,7 +174,7 @@ def test_a_dying_worker_stops_the_run_with_an_error(tmp_path):
     src = corpus(tmp_path / "src")
     run(src, tmp_path / "out", vocab_size=300, workers=1)
     args = ((tmp_path / "out" / "tokenizer.json").read_text(), None, "text", 0.3, "uint16")
-    tasks = prep.make_tasks(prep.list_source(str(src), None)[1], 0.3)
+    tasks = sources.make_tasks(sources.list_source(str(src), None)[1], 0.3)
     assert len(list(prep._results(tasks, 2, args))) == len(tasks)  # the workers start and encode
     with pytest.raises(RuntimeError, match="an encoding worker died"):
         list(prep._results(tasks, 2, args, encode=_die))

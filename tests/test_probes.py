@@ -432,15 +432,15 @@ def test_rank_correlation_and_top_agreement_match_scipy():
 
 # == figures, callback, script ===========================================================================
 def test_the_routing_figure_has_the_same_rows_and_columns_on_both_heatmaps():
-    from attnres.training import figures
-    from attnres.training.callbacks import probe_figures
+    from attnres.results import figures, probe_figures
+    from attnres.training.routing import probe_arrays
 
     probe = probe_routing(_model("block"), _batches(1))
-    shown = probe_figures(probe)
+    shown = probe_arrays(probe)
     assert set(shown) == {"probe/routing", "probe/layer_knockout"}
     data, meta = shown["probe/routing"]
     assert data.shape == (4, *probe.mass.shape)
-    fig = figures.render_probe("probe/routing", data, meta, step=7)
+    fig = probe_figures.render_probe("probe/routing", data, meta, step=7)
     mass_ax, effect_ax = fig.axes[0], fig.axes[2]
     for axis in ("x", "y"):
         labels = [[t.get_text() for t in getattr(ax, f"get_{axis}ticklabels")()] for ax in (mass_ax, effect_ax)]
@@ -450,7 +450,7 @@ def test_the_routing_figure_has_the_same_rows_and_columns_on_both_heatmaps():
     assert effect_ax.images[0].norm.vmin == -effect_ax.images[0].norm.vmax  # centred on 0
     pixels = figures.to_rgb(fig)
     assert pixels.ndim == 3 and pixels.shape[1] > pixels.shape[0]
-    curve = figures.render_probe("probe/layer_knockout", *shown["probe/layer_knockout"], step=7)
+    curve = probe_figures.render_probe("probe/layer_knockout", *shown["probe/layer_knockout"], step=7)
     low, high = curve.axes[0].get_ylim()
     assert low <= probe.layer_effect.min() and high >= probe.layer_effect.max()  # negative effects stay in view
 
@@ -461,8 +461,9 @@ def test_callback_probes_at_the_end_of_training(tmp_path, enabled):
     import pytorch_lightning as pl
 
     from attnres.training import LitLanguageModel
-    from attnres.training.callbacks import RoutingProbes, TensorBoardLogger
     from attnres.training.data import SyntheticDataModule
+    from attnres.training.routing import RoutingProbes
+    from attnres.training.tensorboard import TensorBoardLogger
 
     pl.seed_everything(0, verbose=False)
     data = SyntheticDataModule(block_size=16, batch_size=4, num_symbols=4, num_hops=1, val_batches=2)
@@ -494,7 +495,7 @@ def test_callback_probes_at_the_end_of_training(tmp_path, enabled):
 @pytest.mark.parametrize("bad", [{"enabled": "yes"}, {"batches": 0}, {"mode": "zero"}, {"layers": 1},
                                  {"max_stack": 0}])
 def test_callback_options_are_checked(bad):
-    from attnres.training.callbacks import RoutingProbes
+    from attnres.training.routing import RoutingProbes
 
     with pytest.raises(ValueError, match=r"callbacks\.routing_probes\."):
         RoutingProbes(**bad)

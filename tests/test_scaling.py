@@ -1,4 +1,4 @@
-"""Compute equivalence (attnres/training/scaling.py, experiments/scaling.py): the FLOPs formula,
+"""Compute equivalence (attnres/results/scaling.py, experiments/scaling.py): the FLOPs formula,
 the power-law fit on synthetic points with known parameters, the multiplier and its bootstrap,
 and the script on a real sweep over three sizes."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnres.training.scaling import (
+from attnres.results.scaling import (
     Cell,
     PowerLaw,
     bootstrap_multipliers,

@@ -1,4 +1,4 @@
-"""The SLURM launcher (attnres/training/slurm.py): how it reads partitions and fits requests (no
+"""The SLURM launcher (attnres/sweep/slurm.py): how it reads partitions and fits requests (no
 cluster needed), and, marked `slurm`, tiny sweeps through a real single-node SLURM cluster
 (`experiments/slurm/cluster.sh up`; skipped, with the reason, where none answers): a normal job,
 one cancelled while running and one while pending, one requeued mid-run and one warned of its
@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from attnres.training.errors import ConfigError
-from attnres.training.summary import collect_rows, format_counts, status_counts
+from attnres.config.errors import ConfigError
+from attnres.results.summary import collect_rows, format_counts, status_counts
 
-slurm = pytest.importorskip("attnres.training.slurm", reason="needs the slurm extra (hydra-submitit-launcher)")
+slurm = pytest.importorskip("attnres.sweep.slurm", reason="needs the slurm extra (hydra-submitit-launcher)")
+from attnres.sweep import slurm_resources  # noqa: E402  (after the skip: the same extra)
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "experiments" / "slurm" / "cluster.sh"
@@ -29,15 +30,15 @@ CLUSTER = REPO / "experiments" / "slurm" / "cluster.sh"
 
 # -- no cluster needed -----------------------------------------------------------------------------
 def test_time_limits_and_gres_as_sinfo_prints_them():
-    assert slurm.parse_time_limit("infinite") == math.inf
-    assert slurm.parse_time_limit("30") == 30
-    assert slurm.parse_time_limit("1:30") == 1.5
-    assert slurm.parse_time_limit("2:00:00") == 120
-    assert slurm.parse_time_limit("1-00:30:00") == 24 * 60 + 30
-    assert slurm.parse_gpus("(null)") == 0
-    assert slurm.parse_gpus("gpu:4") == 4
-    assert slurm.parse_gpus("gpu:a100:8(S:0-1)") == 8
-    assert slurm.parse_gpus("gpu:a100:2,gpu:v100:2,shard:8") == 4
+    assert slurm_resources.parse_time_limit("infinite") == math.inf
+    assert slurm_resources.parse_time_limit("30") == 30
+    assert slurm_resources.parse_time_limit("1:30") == 1.5
+    assert slurm_resources.parse_time_limit("2:00:00") == 120
+    assert slurm_resources.parse_time_limit("1-00:30:00") == 24 * 60 + 30
+    assert slurm_resources.parse_gpus("(null)") == 0
+    assert slurm_resources.parse_gpus("gpu:4") == 4
+    assert slurm_resources.parse_gpus("gpu:a100:8(S:0-1)") == 8
+    assert slurm_resources.parse_gpus("gpu:a100:2,gpu:v100:2,shard:8") == 4
 
 
 def launcher_params(**kw):
@@ -51,19 +52,19 @@ def run_config(accelerator="cpu", devices=1, workers=0):
                              "data": {"num_workers": workers}})
 
 
-SMALL = slurm.Partition("debug", cpus=2, mem_mb=8000, gpus=0, max_time_min=60)
-GPUS = slurm.Partition("gpu", cpus=64, mem_mb=512_000, gpus=8, max_time_min=math.inf)
+SMALL = slurm_resources.Partition("debug", cpus=2, mem_mb=8000, gpus=0, max_time_min=60)
+GPUS = slurm_resources.Partition("gpu", cpus=64, mem_mb=512_000, gpus=8, max_time_min=math.inf)
 
 
 def test_derived_resources_fit_the_runs_and_the_partition(caplog):
-    cpu = slurm.fit_resources(launcher_params(timeout_min=15), [run_config("cpu", 1, 2)], SMALL)
+    cpu = slurm_resources.fit_resources(launcher_params(timeout_min=15), [run_config("cpu", 1, 2)], SMALL)
     assert cpu["gpus_per_node"] is None  # a CPU job never asks sbatch for GPUs
     assert cpu["cpus_per_task"] == 2 and cpu["mem_gb"] == 4  # 1 + 2 workers, capped to the node's 2
     assert "asking for 2" in caplog.text
-    auto = slurm.fit_resources(launcher_params(), [run_config("auto", 1), run_config("auto", 2)], GPUS)
+    auto = slurm_resources.fit_resources(launcher_params(), [run_config("auto", 1), run_config("auto", 2)], GPUS)
     assert auto["gpus_per_node"] == 2 and auto["cpus_per_task"] == 2 and auto["mem_gb"] == 8
-    assert slurm.fit_resources(launcher_params(timeout_min=15), [run_config("auto")], SMALL)["gpus_per_node"] is None
-    every = slurm.fit_resources(launcher_params(), [run_config("gpu", "auto")], GPUS)
+    assert slurm_resources.fit_resources(launcher_params(timeout_min=15), [run_config("auto")], SMALL)["gpus_per_node"] is None
+    every = slurm_resources.fit_resources(launcher_params(), [run_config("gpu", "auto")], GPUS)
     assert every["gpus_per_node"] == 8
 
 
@@ -77,13 +78,13 @@ def test_derived_resources_fit_the_runs_and_the_partition(caplog):
 ])
 def test_requests_no_node_can_meet_are_refused_in_one_line(override, words):
     with pytest.raises(ConfigError, match=words) as err:
-        slurm.fit_resources(launcher_params(**{"timeout_min": 15, **override}), [run_config()], SMALL)
+        slurm_resources.fit_resources(launcher_params(**{"timeout_min": 15, **override}), [run_config()], SMALL)
     assert "\n" not in str(err.value)
 
 
 def test_a_gpu_run_on_a_partition_without_gpus_is_refused():
     with pytest.raises(ConfigError, match="trainer.accelerator=cpu to train on the CPU"):
-        slurm.fit_resources(launcher_params(timeout_min=15), [run_config("gpu")], SMALL)
+        slurm_resources.fit_resources(launcher_params(timeout_min=15), [run_config("gpu")], SMALL)
 
 
 def test_statuses_with_spaces_are_counted_whole():

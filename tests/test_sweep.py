@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from attnres.training.summary import find_job_dirs, job_labels, job_overrides
-from attnres.training.sweep import Slot, plan_slots
+from attnres.results.summary import find_job_dirs, job_labels, job_overrides
+from attnres.sweep.slots import Slot, plan_slots
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from attnres.training.naming import run_id
-from attnres.training.summary import collect_rows
+from attnres.config.naming import run_id
+from attnres.results.summary import collect_rows
 
 TINY = [
     "data.batch_size=8", "data.val_batches=1", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
@@ -216,7 +216,7 @@ def test_an_empty_sweep_is_an_error(tmp_path):
 def test_the_launcher_refuses_an_empty_sweep_in_one_line(tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from attnres.training.sweep import ParallelLauncher
+    from attnres.sweep.launcher import ParallelLauncher
 
     launcher = ParallelLauncher(lock_dir=str(tmp_path / "locks"))
     launcher.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")},
@@ -309,7 +309,7 @@ time.sleep(600)
 def test_a_slot_lock_of_a_dead_sweep_is_reclaimed_at_once(tmp_path, monkeypatch):
     import threading
 
-    from attnres.training import sweep
+    from attnres.sweep import slots
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a sweep process that has died
@@ -322,13 +322,13 @@ def test_a_slot_lock_of_a_dead_sweep_is_reclaimed_at_once(tmp_path, monkeypatch)
         assert holder.stdout.readline().strip() == "locked"
         (locks / f"{slot}.lock").write_text(json.dumps({
             "slot": slot, "sweep": sweep_pid, "worker": holder.pid,
-            "worker_start": sweep.process_start(holder.pid), "child": None}))
+            "worker_start": slots.process_start(holder.pid), "child": None}))
         holders[slot] = holder
-    monkeypatch.setenv(sweep.SLOTS_ENV, json.dumps([{"name": s, "device": None, "threads": 1} for s in holders]))
-    monkeypatch.setenv(sweep.SWEEP_ENV, "{}")  # no watchdog in this test process
-    monkeypatch.setattr(sweep, "_claimed", None)
+    monkeypatch.setenv(slots.SLOTS_ENV, json.dumps([{"name": s, "device": None, "threads": 1} for s in holders]))
+    monkeypatch.setenv(slots.SWEEP_ENV, "{}")  # no watchdog in this test process
+    monkeypatch.setattr(slots, "claimed", None)
     claimed = []
-    thread = threading.Thread(target=lambda: claimed.append(sweep.claim_slot(locks, poll_s=0.1)), daemon=True)
+    thread = threading.Thread(target=lambda: claimed.append(slots.claim_slot(locks, poll_s=0.1)), daemon=True)
     try:
         start = time.monotonic()
         thread.start()

@@ -12,8 +12,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from attnres.config.errors import ConfigError
 from attnres.training.data.tokens import HEADER_BYTES, TokensDataModule, token_byte_lengths, write_shard
-from attnres.training.errors import ConfigError
 from attnres.training.lit import LitLanguageModel
 
 

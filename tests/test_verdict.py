@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from attnres.training import verdict
-from attnres.training.summary import config_keys
+from attnres.results import verdict
+from attnres.results.summary import config_keys
 
 T_975_DF2 = 4.302652729749464  # Student t 97.5% quantile, 2 degrees of freedom (tables)
 T_975_DF1 = 12.706204736174705  # ... 1 degree of freedom

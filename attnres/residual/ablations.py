@@ -46,15 +46,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from attnres.functional import SCORINGS, generalized_depth_attention, static_depth_mixing
-
-if TYPE_CHECKING:
-    from attnres.residual.base import DepthAttentionResidual
+from attnres.functional import generalized_depth_attention, static_depth_mixing
+from attnres.ops.dispatch import SCORINGS
 
 QUERIES = ("static", "input")
 MIXINGS = ("attention", "static")
@@ -97,13 +94,13 @@ def check_window(window: object, num_layers: int) -> int | None:
     return window
 
 
-def options_repr(strategy: DepthAttentionResidual) -> str:
+def options_repr(strategy: nn.Module) -> str:
     """The non-default options as `key=value` pairs (empty for the default configuration)."""
     return "".join(f", {k}={getattr(strategy, k)!r}" for k, v in DEFAULTS.items() if getattr(strategy, k) != v)
 
 
 def ablated_mix(
-    strategy: DepthAttentionResidual, index: int, sources: Sequence[Tensor], columns: Sequence[int] | None = None
+    strategy: nn.Module, index: int, sources: Sequence[Tensor], columns: Sequence[int] | None = None
 ) -> tuple[Tensor, Tensor]:
     """Sublayer `index`'s (h, weights (S, ...)) over `sources` under the strategy's options.
     `columns`: the source index (heatmap column) of each of `sources`, when they are not the

@@ -1,14 +1,10 @@
-"""The experiment runner's library: Lightning module, data modules, schedules, callbacks, sweeps.
-
-Imports Lightning (lazily: `attnres.training.sweep`, which Hydra imports at start-up to find
-its launcher, must not pay for it); `import attnres` alone does not load this package.
-"""
+"""One run under Lightning: the module, data, callbacks, faults and checkpoints, the run's life
+(`run.train`), its progress and report, eval and sample. `import attnres` does not load it."""
 
 from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "ConfigError": "attnres.training.errors",
     "LitLanguageModel": "attnres.training.lit",
     "parameter_groups": "attnres.training.lit",
 }

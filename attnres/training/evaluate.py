@@ -17,12 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from attnres.training.errors import ConfigError
-from attnres.training.io import write_json
+from attnres.atomic import write_json
+from attnres.config.errors import ConfigError
+from attnres.training.checkpoints import check_checkpoint
+from attnres.training.devices import resolve_precision
+from attnres.training.lit import LitLanguageModel
+from attnres.training.report import report
 
 log = logging.getLogger("attnres")
 MODES = ("train", "eval", "sample")
@@ -39,9 +44,6 @@ def checkpoint_config(ckpt: Path) -> DictConfig | None:
 
 def build(cfg: DictConfig) -> tuple[Any, Any, Path]:
     """(datamodule, LitLanguageModel with the checkpoint's weights, checkpoint path)."""
-    from attnres.training.lit import LitLanguageModel
-    from attnres.training.run import check_checkpoint
-
     if not cfg.get("ckpt_path"):
         raise ConfigError(f"mode={cfg.mode} needs a checkpoint: set ckpt_path=<RUN/checkpoints/last.ckpt>")
     ckpt = Path(str(cfg.ckpt_path)).expanduser()
@@ -81,10 +83,6 @@ def run_mode(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
 
 
 def evaluate(cfg: DictConfig, datamodule: Any, module: Any, ckpt: Path, run_dir: Path) -> dict:
-    import pytorch_lightning as pl
-
-    from attnres.training.run import report, resolve_precision
-
     accelerator = cfg.trainer.get("accelerator", "auto")
     trainer = pl.Trainer(accelerator=accelerator, devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False,
@@ -103,7 +101,6 @@ def evaluate(cfg: DictConfig, datamodule: Any, module: Any, ckpt: Path, run_dir:
 
 
 def sample(cfg: DictConfig, datamodule: Any, module: Any, ckpt: Path, run_dir: Path) -> dict:
-    from attnres.training.run import report
 
     options = cfg.get("sample") or {}
     prompt = str(options.get("prompt", "\n"))

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from attnres.training.errors import ConfigError
+from attnres.config.errors import ConfigError
 
 log = logging.getLogger("attnres")
 

@@ -20,8 +20,8 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
+from attnres.config.errors import ConfigError
 from attnres.training.data import exact_match
-from attnres.training.errors import ConfigError
 from attnres.training.faults import NonFiniteLoss, at_last_step
 
 log = logging.getLogger("attnres")

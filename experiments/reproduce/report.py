@@ -20,9 +20,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # experiments/: plot_run, scaling
 
-from attnres.training import figures, verdict  # noqa: E402
-from attnres.training.summary import collect_rows, find_job_dirs, primary_metric, write_sweep_summary  # noqa: E402
-from attnres.training.summary_figure import summary_figure  # noqa: E402
+from attnres.results import figures, verdict  # noqa: E402
+from attnres.results.summary import collect_rows, find_job_dirs, primary_metric, write_sweep_summary  # noqa: E402
+from attnres.results.summary_figure import summary_figure  # noqa: E402
 
 PAPER = "Kimi Team, *Attention Residuals*, arXiv 2603.15031 (2026)"
 PAPER_MULTIPLIER = 1.25  # Block AttnRes matches a baseline trained with 1.25x the compute (the paper's headline)

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from attnres.config.errors import ConfigError
 from attnres.training.data import corpus
 from attnres.training.data.common import TRAIN_STREAM, StreamDataModule, sample_rng
-from attnres.training.errors import ConfigError
 
 
 class _Bytes:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from attnres.training.errors import ConfigError
+from attnres.config.errors import ConfigError
 
 # One "epoch" is this many samples: long enough that `max_steps` always ends training first.
 EPOCH_SAMPLES = 2**31

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnres.training.errors import ConfigError
+from attnres.config.errors import ConfigError
 
 HEADER_INTS = 256  # int32 values in a shard header
 HEADER_BYTES = HEADER_INTS * 4

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from attnres.config.errors import ConfigError
 from attnres.training.data.common import TRAIN_STREAM, VAL_STREAM, StreamDataModule, sample_rng
-from attnres.training.errors import ConfigError
 
 IGNORE = -100
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from attnres.config.errors import ConfigError
 from attnres.training.data import corpus
 from attnres.training.data.common import TRAIN_STREAM, StreamDataModule, sample_rng
 from attnres.training.data.shards import (  # noqa: F401 (write_shard, shard_header: the public names stay here too)
@@ -46,7 +47,6 @@ from attnres.training.data.shards import (  # noqa: F401 (write_shard, shard_hea
     shard_header,
     write_shard,
 )
-from attnres.training.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ and per-seed dots, zero marked) beside the validation curves over steps.
 Rebuilt from the run folders alone, so `experiments/summarize.py SWEEP_DIR` can redo it. A run
 folder is any folder below the sweep folder that holds `.hydra/`; a job is labelled by the
 overrides of `.hydra/overrides.yaml` that differ between the jobs, not by its folder name, and a
-configuration by those less the seed. Verdicts: `attnres.training.verdict` (DESIGN.md section 6).
+configuration by those less the seed. Verdicts: `attnres.results.verdict` (DESIGN.md section 6).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from attnres.training import verdict
-from attnres.training.io import atomic_write, read_json
+from attnres.atomic import atomic_write, read_json
+from attnres.results import summary_figure, verdict
 
 COLUMNS = ["job", "config", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
            "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error", *verdict.COLUMNS]
@@ -275,8 +274,6 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/") for k in MD_COLUMNS) + " |")
     atomic_write(sweep_dir / "summary.md", lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    from attnres.training import summary_figure
-
     try:  # the table and the verdicts are written; a figure that cannot be drawn must not lose them
         fig = summary_figure.summary_figure(found, rows, metric, title or sweep_dir.name)
         buffer_png = io.BytesIO()
@@ -287,34 +284,3 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
         return rows
     atomic_write(sweep_dir / "summary.png", lambda f: f.write(buffer_png.getvalue()))
     return rows
-
-
-class SweepSummary(Callback):
-    """Hydra callback, whichever launcher runs the sweep: locks the sweep folder when the sweep
-    starts (a second sweep into it is refused), and writes the summary when it ends, closing with
-    one line that counts how this sweep's jobs ended (`sweep.exit_status` reads the counts)."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from attnres.training import sweep
-        from attnres.training.run import user_errors
-
-        with user_errors():  # before Hydra writes anything into the folder
-            sweep.lock_sweep_dir(Path(str(config.hydra.sweep.dir)))
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from attnres.training import sweep
-
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        if not sweep_dir.is_dir():
-            return
-        counts = sweep.record_outcome(sweep_dir)  # first: exit_status must not depend on the plot
-        if not counts:  # launchers that never call ours (basic, SLURM) with nothing to run
-            from attnres.training.run import user_errors
-
-            with user_errors():
-                raise sweep.no_jobs_error(config)
-        rows = write_sweep_summary(sweep_dir)
-        print(terminal_table(rows), flush=True)
-        for line in verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows):
-            print(f"verdict: {line}", flush=True)
-        print(f"sweep: {format_counts(counts)} -> {sweep_dir / 'summary.md'}", flush=True)

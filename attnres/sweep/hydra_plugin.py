@@ -2,18 +2,18 @@
 class is defined in: the wheel maps this file to `hydra_plugins/attnres_launcher/__init__.py`
 (see pyproject.toml), so that `hydra/launcher=parallel` can name
 `hydra_plugins.attnres_launcher.ParallelLauncher` (and `hydra/launcher=slurm`
-`hydra_plugins.attnres_launcher.SlurmLauncher`). The code is in attnres.training.sweep and
-attnres.training.slurm (which needs the `slurm` extra: hydra-submitit-launcher)."""
+`hydra_plugins.attnres_launcher.SlurmLauncher`). The code is in attnres.sweep.launcher and
+attnres.sweep.slurm (which needs the `slurm` extra: hydra-submitit-launcher)."""
 
-from attnres.training import sweep
+from attnres.sweep import launcher
 
 
-class ParallelLauncher(sweep.ParallelLauncher):
-    __doc__ = sweep.ParallelLauncher.__doc__
+class ParallelLauncher(launcher.ParallelLauncher):
+    __doc__ = launcher.ParallelLauncher.__doc__
 
 
 try:
-    from attnres.training import slurm
+    from attnres.sweep import slurm
 except ImportError:  # no hydra-submitit-launcher: hydra/launcher=slurm says so when chosen
     pass
 else:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from attnres.training.figures import new_figure, strategy_colours
+from attnres.results.figures import new_figure, strategy_colours
 
 VERDICT_COLOURS = {"better": "#2a7d2a", "worse": "#b22222"}
 UNCLEAR = "#555555"

@@ -1,4 +1,5 @@
-"""How the C library's allocator treats the memory a training step frees (the `keep_freed_memory` key).
+"""The machine side of a run: the precision `auto` resolves to, and how the C library's allocator
+treats the memory a training step frees (the `keep_freed_memory` key).
 
 A CPU training step allocates and frees the same large tensors every step: activations, their
 gradients, the depth-attention outputs (on the default tiny model each (B, T, D) tensor is
@@ -24,6 +25,9 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from typing import Any
+
+import torch
 
 __all__ = ["keep_freed_memory"]
 
@@ -47,3 +51,11 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def resolve_precision(precision: Any, accelerator: str) -> Any:
+    """`precision: auto` -> bf16-mixed on a GPU that supports it, else 32-true."""
+    if precision != "auto":
+        return precision
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"

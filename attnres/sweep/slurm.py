@@ -6,7 +6,7 @@ one task of a job array, through Hydra's submitit launcher, and makes it survive
   GPUs under `auto`; one CPU per process and per data worker; memory per process) and capped to
   what the partition's nodes have. What a user sets is checked against `sinfo` before anything
   is submitted: a request no node can meet is one line and exit 2, never an array PENDING forever.
-- The sweep's planning is the parallel launcher's (`sweep.plan_jobs`): duplicates run once, and
+- The sweep's planning is the parallel launcher's (`plan.plan_jobs`): duplicates run once, and
   with `resume=true` finished jobs are skipped without taking an allocation.
 - Requeue continues. A job records its SLURM job id in `<run>/slurm.json`; a job that starts in a
   folder holding its own unfinished run (requeued by `scontrol requeue`, by preemption, or by
@@ -27,34 +27,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
-import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 
-from attnres.training import sweep
-from attnres.training.errors import ConfigError
-from attnres.training.io import read_json, write_json
+from attnres.atomic import read_json, write_json
+from attnres.config.errors import ConfigError
+from attnres.sweep.plan import OneLineRefusals, holds_run, no_jobs_error, plan_jobs, read_status
+from attnres.sweep.slots import lock_sweep_dir
+from attnres.sweep.slurm_job import MARKER, PREEMPT_SIGNALS
+from attnres.sweep.slurm_resources import fit_resources, read_partition, run_command
 
 log = logging.getLogger(__name__)
 
-#: what SLURM sends a job before its time limit or a preemption: submitit's signal (USR2, or
-#: $SUBMITIT_PREEMPT_SIGNAL) and Lightning's (USR1); both stop training with a checkpoint
-PREEMPT_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)
-MARKER = "slurm.json"  # in a run folder: the SLURM job that last ran there
 #: the launcher's own keys (conf/hydra/launcher/slurm.yaml), not passed to submitit
 OWN_KEYS = ("poll_s", "mem_gb_per_process", "cpus_per_process")
 #: a job's final SLURM state (sacct) -> the status of a job that ended without saying how
@@ -66,160 +59,10 @@ ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"
                  "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "PREEMPTED")
 
 
-# -- the partition, as sinfo tells ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Partition:
-    name: str
-    cpus: int  # per node (the largest node)
-    mem_mb: int  # per node
-    gpus: int  # per node
-    max_time_min: float  # math.inf without a limit
-
-
-def _run(command: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-
-
-def parse_time_limit(text: str) -> float:
-    """sinfo's time limit (`infinite`, `D-HH:MM:SS`, `HH:MM:SS`, `MM:SS`, `MM`) in minutes."""
-    text = text.strip()
-    if text in ("infinite", "UNLIMITED", "n/a", ""):
-        return math.inf
-    days, _, rest = text.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    hours, minutes, seconds = ([0] * (3 - len(parts)) + parts) if len(parts) > 1 else (0, parts[0], 0)
-    return (int(days or 0) * 24 + hours) * 60 + minutes + seconds / 60
-
-
-def parse_gpus(gres: str) -> int:
-    """GPUs per node from sinfo's GRES column (`gpu:4`, `gpu:a100:8(S:0-1)`, `(null)`)."""
-    total = 0
-    for item in gres.split(","):
-        fields = re.sub(r"\(.*?\)", "", item).split(":")
-        if fields[0] == "gpu" and len(fields) >= 2 and fields[-1].isdigit():
-            total += int(fields[-1])
-    return total
-
-
-def read_partition(name: str | None) -> Partition:
-    """The partition the jobs go to (the cluster's default when `name` is None), from `sinfo`."""
-    if shutil.which("sinfo") is None:
-        raise ConfigError("hydra/launcher=slurm needs SLURM's commands (sinfo, sbatch, squeue, sacct) on this "
-                          "machine; run the sweep on a login node of the cluster, or drop hydra/launcher=slurm")
-    try:
-        out = _run(["sinfo", "-h", "-o", "%P|%c|%m|%G|%l"])
-    except subprocess.TimeoutExpired as err:
-        raise ConfigError("sinfo did not answer within 30 s: the SLURM controller is down or unreachable; "
-                          "try again, or ask the cluster's admins") from err
-    if out.returncode != 0:
-        said = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit status {out.returncode}"
-        raise ConfigError(f"sinfo failed ({said}); the SLURM controller must answer before a sweep can be sent to it")
-    rows: dict[str, list[list[str]]] = {}
-    default = None
-    for line in out.stdout.splitlines():
-        fields = line.split("|")
-        if len(fields) != 5:
-            continue
-        part = fields[0]
-        if part.endswith("*"):
-            part = default = part[:-1]
-        rows.setdefault(part, []).append(fields)
-    wanted = name or default
-    if wanted not in rows:
-        known = ", ".join(sorted(rows)) or "none"
-        if name is None:
-            raise ConfigError(f"this cluster has no default partition; pass hydra.launcher.partition=<one of: {known}>")
-        raise ConfigError(f"hydra.launcher.partition={name} is not a partition of this cluster; "
-                          f"pass one of: {known}")
-
-    def number(text: str) -> int:
-        return int(re.sub(r"\D.*$", "", text) or 0)
-
-    found = rows[wanted]
-    return Partition(
-        name=wanted, cpus=max(number(f[1]) for f in found), mem_mb=max(number(f[2]) for f in found),
-        gpus=max(parse_gpus(f[3]) for f in found), max_time_min=max(parse_time_limit(f[4]) for f in found),
-    )
-
-
-# -- what the runs need, and what is asked for -------------------------------------------------------
-def run_needs(config: DictConfig, partition: Partition, cpus_per_process: int, mem_gb_per_process: float
-              ) -> dict[str, Any]:
-    """Resources one job of the sweep needs, from its config: the devices its trainer uses (a GPU
-    only where the trainer asks for one, or under `auto` on a partition with GPUs), a CPU per
-    process and per data-loading worker, memory per process."""
-    trainer, data = config.get("trainer", {}), config.get("data", {})
-    accelerator = str(trainer.get("accelerator", "auto"))
-    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and partition.gpus > 0)
-    devices = trainer.get("devices", 1)
-    if isinstance(devices, int) and devices > 0:
-        processes = devices
-    elif isinstance(devices, (list, tuple)):
-        processes = len(devices)
-    else:  # auto / -1: every device of the node
-        processes = partition.gpus if gpu else 1
-    workers = int(data.get("num_workers", 0) or 0)
-    return {"gpus_per_node": processes if gpu else 0,
-            "cpus_per_task": max(1, processes * (cpus_per_process + workers)),
-            "mem_gb": max(1, math.ceil(processes * mem_gb_per_process))}
-
-
-def fit_resources(params: dict[str, Any], configs: Sequence[DictConfig], partition: Partition) -> dict[str, Any]:
-    """`params` with the resources left null derived from the runs (capped to a node of the
-    partition, with a warning), and those set by hand checked against it (ConfigError)."""
-    params = dict(params)
-    needs = [run_needs(c, partition, int(params.get("cpus_per_process") or 1),
-                       float(params.get("mem_gb_per_process") or 4)) for c in configs]
-    have = {"gpus_per_node": partition.gpus, "cpus_per_task": partition.cpus, "mem_gb": partition.mem_mb // 1024}
-    what = {"gpus_per_node": "GPUs", "cpus_per_task": "CPUs", "mem_gb": "GB of memory"}
-    for key in ("gpus_per_node", "cpus_per_task", "mem_gb"):
-        value = params.get(key)
-        if value is None:
-            value = max(n[key] for n in needs)
-            if key == "gpus_per_node" and value > have[key]:
-                raise ConfigError(
-                    f"the runs ask for {value} GPU(s) (trainer.accelerator={configs[0].trainer.get('accelerator')}) "
-                    f"but a node of partition {partition.name} has {have[key]}; pass hydra.launcher.partition=<a GPU "
-                    "partition>, or trainer.accelerator=cpu to train on the CPU")
-            if value > have[key]:
-                capped = max(1, have[key])
-                log.warning(f"the runs would use {value} {what[key]} but a node of partition {partition.name} has "
-                            f"{have[key]:g}: asking for {capped} (hydra.launcher.{key})")
-                value = capped
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"hydra.launcher.{key}={value!r} must be a number >= 0, or null (derived from the runs)")
-        elif value > have[key]:
-            raise ConfigError(
-                f"hydra.launcher.{key}={value:g} is more than the {have[key]:g} {what[key]} of a node in partition "
-                f"{partition.name} (sinfo): the jobs would never start; pass hydra.launcher.{key}={have[key]:g} or "
-                "less, null to derive it from the runs, or another hydra.launcher.partition")
-        params[key] = value
-    timeout = params.get("timeout_min")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 1:
-        raise ConfigError(f"hydra.launcher.timeout_min={timeout!r} must be a whole number of minutes >= 1")
-    if timeout > partition.max_time_min:
-        raise ConfigError(f"hydra.launcher.timeout_min={timeout} is more than partition {partition.name}'s time "
-                          f"limit of {partition.max_time_min:g} min (sinfo); pass "
-                          f"hydra.launcher.timeout_min={int(partition.max_time_min)} or less")
-    delay = params.get("signal_delay_s")
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0 or delay >= timeout * 60:
-        raise ConfigError(f"hydra.launcher.signal_delay_s={delay!r} must be a whole number of seconds >= 0 and "
-                          f"below the time limit ({timeout} min = {timeout * 60} s)")
-    if params.get("gpus_per_node") == 0:
-        params["gpus_per_node"] = None  # sbatch is never asked about GPUs for a CPU job
-    return params
-
-
 # -- the launcher ---------------------------------------------------------------------------------------
-class SlurmLauncher(SubmititSlurmLauncher):
+class SlurmLauncher(OneLineRefusals, SubmititSlurmLauncher):
     """Hydra's submitit SLURM launcher, with resources that fit, dedup, resume, requeue that
     continues, and a sweep that always ends with a status for every job."""
-
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from attnres.training.run import user_errors
-
-        with user_errors():
-            return self._launch(job_overrides, initial_job_idx)
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
@@ -227,8 +70,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         if not job_overrides:
-            raise sweep.no_jobs_error(self.config)
-        sweep.lock_sweep_dir(sweep_dir)
+            raise no_jobs_error(self.config)
+        lock_sweep_dir(sweep_dir)
         partition = read_partition(self.params.get("partition"))
         fitted: dict[str, Any] = {}
 
@@ -236,7 +79,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
             if configs:
                 fitted.update(fit_resources(self.params, configs, partition))
 
-        planned = sweep.plan_jobs(self, job_overrides, sweep_dir, check=fit)
+        planned = plan_jobs(self, job_overrides, sweep_dir, check=fit)
         log.info(f"{len(job_overrides)} jobs: {len(planned)} to run, {len(job_overrides) - len(planned)} skipped "
                  f"(duplicate or finished); partition {partition.name}")
         if not planned:
@@ -276,7 +119,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
     # -- in the SLURM job ---------------------------------------------------------------------------
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict) -> JobReturn:
-        """Runs in the SLURM job: the job (sweep.run_isolated, whose training process stops with a
+        """Runs in the SLURM job: the job (job.run_isolated, whose training process stops with a
         checkpoint on the preemption signal), then submitit's checkpoint-and-requeue if that signal
         came and the run is not finished."""
         received: list[int] = []
@@ -291,7 +134,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 signal.signal(sig, handler)
         if received:
             run_dir = Path(str(result.hydra_cfg.hydra.runtime.output_dir)) if result.hydra_cfg else None
-            if run_dir is None or sweep.read_status(run_dir) != "finished":
+            if run_dir is None or read_status(run_dir) != "finished":
                 submitit_handler = previous.get(_submitit_signal())
                 log.warning(f"received {signal.Signals(received[0]).name}: the run is checkpointed; requeueing")
                 if callable(submitit_handler):  # checkpoint, requeue and exit; raises when out of tries
@@ -315,7 +158,7 @@ def _submitit_signal() -> int:
 def queued_states(array_ids: set[str]) -> dict[str, str] | None:
     """Tasks of these arrays still in SLURM's queue (task id -> state), or None when squeue fails."""
     try:
-        out = _run(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(sorted(array_ids))])
+        out = run_command(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(sorted(array_ids))])
     except subprocess.TimeoutExpired:
         return None
     if out.returncode != 0:
@@ -330,7 +173,7 @@ def queued_states(array_ids: set[str]) -> dict[str, str] | None:
 def accounted_states(array_ids: set[str]) -> dict[str, str]:
     """The last recorded state of each task of these arrays (sacct), e.g. {"12_0": "CANCELLED"}."""
     with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-        out = _run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(sorted(array_ids))])
+        out = run_command(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(sorted(array_ids))])
         if out.returncode == 0:
             states = {}
             for line in out.stdout.splitlines():
@@ -398,7 +241,7 @@ def job_outcome(job: Any, config: DictConfig, sweep_dir: Path, state: str | None
     the status when the job could not (cancelled, timed out, preempted, lost, out of memory)."""
     run_dir = sweep_dir / str(config.hydra.sweep.subdir)
     outcome = _result(job, wait_s=RESULT_WAIT_S if state in (None, "COMPLETED", "FAILED") else 2)
-    status = sweep.read_status(run_dir)
+    status = read_status(run_dir)
     where = f"SLURM job {job.job_id}"
     limit = config.hydra.launcher.get("timeout_min")
     if outcome is not None and outcome[0] == "success" and state in (None, "COMPLETED") and status:
@@ -430,12 +273,12 @@ def job_outcome(job: Any, config: DictConfig, sweep_dir: Path, state: str | None
     else:
         why = f"ended without a result ({where}, state {state or 'not recorded'}); resume=true continues it"
         record(run_dir, config, "lost", why, job.job_id, state)
-    log.info(f"{where}: {sweep.read_status(run_dir)} ({run_dir.name})")
+    log.info(f"{where}: {read_status(run_dir)} ({run_dir.name})")
     return None
 
 
 def started(run_dir: Path) -> bool:
-    return (run_dir / MARKER).is_file() or sweep.holds_run(run_dir)
+    return (run_dir / MARKER).is_file() or holds_run(run_dir)
 
 
 def record(run_dir: Path, config: DictConfig, status: str, why: str, job_id: str, state: str | None) -> None:
@@ -454,71 +297,4 @@ def record(run_dir: Path, config: DictConfig, status: str, why: str, job_id: str
     write_json(run_dir / "metrics.json", {**metrics, "status": status, "error": why,
                                           "slurm": {"job_id": job_id, "state": state}})
 
-
-# -- in the job: a requeued job continues its own run ---------------------------------------------------
-def current_job_id() -> str | None:
-    """This SLURM task's id as submitit and sacct name it (`12_3` in an array), or None outside SLURM."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return os.environ.get("SLURM_JOB_ID")
-
-
-def in_slurm_job() -> bool:
-    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and current_job_id() is not None
-
-
-def continue_own_run(cfg: DictConfig, run_dir: Path) -> bool:
-    """In a SLURM job, before its run starts: when `run_dir` holds this job's own run (a requeue or
-    a retry of the same task), set `resume=true` to continue it; returns False when that run has
-    finished (nothing to do). Records this job in `<run_dir>/slurm.json` either way."""
-    job_id = current_job_id()
-    mark = read_json(run_dir / MARKER)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    if mark.get("job_id") == job_id and sweep.holds_run(run_dir):
-        if sweep.read_status(run_dir) == "finished":
-            log.info(f"SLURM job {job_id} (restart {restarts}): its run in {run_dir} has finished; nothing to do")
-            return False
-        log.warning(f"SLURM job {job_id} (restart {restarts}): continuing its own run in {run_dir} "
-                    "from its last checkpoint (resume=true)")
-        with read_write(cfg), open_dict(cfg):
-            cfg.resume, cfg.overwrite = True, False
-    write_json(run_dir / MARKER, {"job_id": job_id, "restarts": restarts, "node": socket.gethostname(),
-                                  "start": time.time()})
-    return True
-
-
-def job_threads() -> int | None:
-    """The CPUs SLURM gave this task (torch threads for its training process)."""
-    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-    return int(cpus) if cpus and cpus.isdigit() else None
-
-
-@contextlib.contextmanager
-def deaf_to_preemption() -> Any:
-    """While starting the training process: the preemption signals ignored (a process inherits an
-    ignored signal across exec), this process's own handlers back afterwards."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in PREEMPT_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def forward_preemption() -> None:
-    """In a job's training process under SLURM: the first preemption signal (SIGUSR2/SIGUSR1) becomes
-    the runner's SIGTERM (stop after this step, write last.ckpt, exit); later ones are ignored.
-    Installed before Lightning starts, so Lightning's own SLURM requeue handler stays out."""
-    done: list[int] = []
-
-    def handle(signum: int, frame: Any) -> None:
-        if not done:
-            done.append(signum)
-            log.warning(f"received {signal.Signals(signum).name} from SLURM (preemption or time limit): "
-                        "stopping after this step with a checkpoint")
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    for sig in PREEMPT_SIGNALS:
-        signal.signal(sig, handle)
 

@@ -1,4 +1,4 @@
-"""keep_freed_memory (attnres/training/allocator.py): freed tensor memory stays in the process.
+"""keep_freed_memory (attnres/training/devices.py): freed tensor memory stays in the process.
 
 Checked in fresh processes (the setting is per process, and once set it stays) through glibc's
 own account of its memory (`mallinfo2`): with the setting, a 4 MB tensor comes from the heap
@@ -18,7 +18,8 @@ import textwrap
 import pytest
 from omegaconf import OmegaConf
 
-from attnres.training.validate import ConfigError, validate_config
+from attnres.config.errors import ConfigError
+from attnres.config.rules import validate_config
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="mallopt's thresholds are glibc's")
@@ -26,7 +27,7 @@ needs_glibc = pytest.mark.skipif(not GLIBC, reason="mallopt's thresholds are gli
 PROBE = textwrap.dedent(
     """
     import ctypes, json, sys, torch
-    from attnres.training.allocator import keep_freed_memory
+    from attnres.training.devices import keep_freed_memory
 
     class Info(ctypes.Structure):  # glibc's struct mallinfo2 (2.33 and later)
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -18,9 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-from pytorch_lightning.plugins.io import TorchCheckpointIO
-
 
 def _file_mode() -> int:
     umask = os.umask(0)
@@ -73,12 +70,3 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     """Strict JSON (a non-finite number becomes null), written atomically."""
     text = json.dumps(finite_json(data), indent=2, sort_keys=True, allow_nan=False) + "\n"
     atomic_write(path, lambda f: f.write(text.encode()))
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning checkpoint IO that never leaves a truncated checkpoint behind."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO takes no storage_options")
-        atomic_write(path, lambda f: torch.save(checkpoint, f))

@@ -1,0 +1,231 @@
+"""One composed job: each overridden value against the type of its default (`overwrite=no` is
+a string, not a boolean), its output folder, its interpolations, and the cheap parts (the data
+module, the residual strategy, the optimiser and the schedule) built once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from attnres.config import naming  # noqa: F401  (registers the resolver that hydra.run.dir uses)
+from attnres.config.errors import ConfigError
+from attnres.config.rules import ABSENT, target_of, validate_config, value_at
+
+# == 3. the values ================================================================================
+#: the top-level keys that what `check_parts` builds depends on
+PARTS = ("data", "residual", "model", "optim", "num_blocks", "trainer")
+
+
+def check_values(combo: dict[str, Any], values: Sequence[Any]) -> None:
+    """Another job of a sweep: the config of the combination's first job, with this job's values
+    set (and set back afterwards: a copy per job would cost more than the checks)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    cfg = combo["cfg"]
+    if "job" not in combo:  # the first job's config without its hydra node, to set values in
+        user = OmegaConf.to_container(cfg, resolve=False)
+        user.pop("hydra", None)  # type: ignore[union-attr]
+        combo["job"] = OmegaConf.create(user)
+        OmegaConf.set_struct(combo["job"], True)
+        combo["first"] = {o.key_or_group: o for o in combo["values"]}
+    job, first = combo["job"], combo["first"]
+    changed = [o for o in values if o.input_line not in {f.input_line for f in first.values()}]
+    if not all(o.type.name == "CHANGE" and o.key_or_group in first for o in changed):  # +, ~: a config of its own
+        job = OmegaConf.create(OmegaConf.to_container(job, resolve=False))
+        OmegaConf.set_struct(job, True)
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(changed, job)
+    except Exception as err:  # the same failure that composing this job would have
+        raise ConfigError(f"{' '.join(str(err).split())}; fix the override on the command line") from err
+    try:
+        validate_config(job)
+        rebuilt = any(o.key_or_group.split(".", 1)[0] in PARTS for o in changed)  # what check_parts builds or reads
+        relinked = any(o.is_delete() or "${" in str(o.get_value_element_as_str()) for o in changed)
+        if rebuilt or relinked:
+            with hydra_config(cfg, combo["run_dir"]):
+                if relinked:
+                    resolve_job(job)
+                if rebuilt:
+                    check_parts(job)
+    finally:
+        if job is combo["job"]:
+            ConfigLoaderImpl._apply_overrides_to_config([first[o.key_or_group] for o in changed], job)
+
+
+#: bool keys that also take these values (Lightning's own)
+BOOL_ALSO = {"trainer.deterministic": ("warn",), "callbacks.checkpoint.save_last": ("link",)}
+#: int keys that also take other types
+INT_ALSO: dict[str, tuple[type, ...]] = {
+    "trainer.overfit_batches": (float,), "trainer.limit_train_batches": (float,), "trainer.limit_val_batches": (float,),
+}
+
+
+def check_override_type(override: Any, reference: DictConfig | None) -> None:
+    """An overridden value must have the type of the key's default in `reference` (the config
+    composed with the same options but without the value overrides): true/false for a bool,
+    a number for a number, a config for a config. (Keys `validate_config` types itself are
+    left to it: then no reference is composed.)"""
+    key = override.key_or_group
+    if override.is_delete() or reference is None or override.is_hydra_override():
+        return
+    try:
+        value = override.value()
+        default = OmegaConf.select(reference, key, default=ABSENT)
+    except OmegaConfBaseException:
+        return  # an interpolation in the default: resolution is checked later
+    if default is ABSENT or default is None or (isinstance(value, str) and "${" in value):
+        return  # a new key (+key=...), a key without a typed default, or an interpolation
+    shown = override.input_line.lstrip("+")
+    if isinstance(default, bool):
+        if not isinstance(value, bool) and value not in BOOL_ALSO.get(key, ()):
+            also = "".join(f" or {key}={v}" for v in BOOL_ALSO.get(key, ()))
+            raise ConfigError(f"{shown} is not a boolean; write {key}=true or {key}=false{also}")
+    elif isinstance(default, int):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, *INT_ALSO.get(key, ())))):
+            raise ConfigError(f"{shown} is not an integer; write a whole number, e.g. {key}={default}")
+    elif isinstance(default, float):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{shown} is not a number; write e.g. {key}={default}")
+    elif isinstance(default, DictConfig) and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{shown}: {key} is a group of settings, not a single value; set one of its keys "
+                          f"({key}.<key>=...) or choose a config option")
+    elif isinstance(default, ListConfig) and value is not None and not isinstance(value, list):
+        raise ConfigError(f"{shown} is not a list; write {key}=[...], e.g. {key}={list(default)}".replace("'", ""))
+
+
+def check_job(cfg: DictConfig, multirun: bool, check_folder: bool = True) -> Path:
+    """All checks of one composed job config (with its `hydra` node), before it runs; the run folder."""
+    validate_config(cfg)
+    run_dir = output_folder(cfg, multirun, check_parent=check_folder)
+    with hydra_config(cfg, run_dir):
+        resolve_job(cfg)
+        check_parts(cfg)
+    return run_dir
+
+
+def output_folder(cfg: DictConfig, multirun: bool, check_parent: bool = True) -> Path:
+    """The run folder Hydra will create for this job, checked to be creatable."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    fix = (f"choose another place with {key}=<folder>" +
+           (", or another experiment name with name=<name>" if "${name}" in str(_raw(cfg, key)) else ""))
+    try:
+        folder = Path(str(OmegaConf.select(cfg, key, throw_on_missing=True)))
+        run_dir = folder / str(cfg.hydra.sweep.subdir) if multirun else folder
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{key}={_raw(cfg, key)} cannot be resolved ({err.msg.splitlines()[0]}); {fix}") from err
+    if check_parent:
+        check_creatable(folder, f"the {'sweep' if multirun else 'run'} folder", fix)
+    return run_dir
+
+
+def _raw(cfg: DictConfig, key: str) -> Any:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return node._get_node(leaf)._value() if isinstance(node, DictConfig) and leaf in node else None
+
+
+def check_creatable(folder: Path, what: str, fix: str) -> None:
+    """`folder` exists as a writable folder or can be made: probed with a temporary folder in
+    its nearest existing ancestor, removed at once (a root user passes permission bits)."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"cannot create {what} {folder}: {existing} is a file, not a folder; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".attnres-probe-", dir=existing))
+    except OSError as err:
+        raise ConfigError(f"cannot create {what} {folder}: {existing} does not take new folders "
+                          f"({err.strerror}); {fix}") from err
+
+
+@contextlib.contextmanager
+def hydra_config(cfg: DictConfig, run_dir: Path) -> Iterator[None]:
+    """`${hydra:...}` resolvable while checking `cfg`, as in the job (with its output folder)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    OmegaConf.set_readonly(cfg.hydra, False)
+    cfg.hydra.runtime.output_dir = str(run_dir.absolute())
+    HydraConfig.instance().set_config(cfg)
+    try:
+        yield
+    finally:
+        HydraConfig.instance().cfg = None
+        OmegaConf.set_readonly(cfg.hydra, False)
+
+
+def resolve_job(cfg: DictConfig) -> None:
+    """Every interpolation of the job config resolves (`~model.n_layer` breaks `${model.n_layer}`)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        for key in cfg:
+            if key != "hydra":
+                node = cfg._get_node(key)
+                if isinstance(node, (DictConfig, ListConfig)):
+                    OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+                else:
+                    cfg[key]
+    except MissingMandatoryValue:
+        raise  # user_errors says which key needs a value
+    except OmegaConfBaseException as err:
+        where = err.full_key or "a key"
+        raise ConfigError(f"{where}: {err.msg.splitlines()[0]}; fix or remove that ${{...}} reference, "
+                          "or keep the key it points to") from err
+
+
+def check_parts(cfg: DictConfig) -> None:
+    """Build the cheap parts once, with their own checks: attnres's data module (not a text
+    corpus folder, which would be walked twice), the residual strategy, the optimiser on a
+    dummy parameter and the schedule at step 0. Their errors become one line."""
+    from hydra.utils import instantiate
+
+    cache = value_at(cfg, "data.cache_dir")
+    if isinstance(cache, str) and cache and target_of(cfg, "data").startswith("attnres.training.data."):
+        check_creatable(Path(cache).expanduser(), "the data cache folder",
+                        "set data.cache_dir=<a writable folder>, or data.cache_dir=null for ~/.cache/attnres")
+    data_target = str(OmegaConf.select(cfg, "data._target_", default=""))
+    path = OmegaConf.select(cfg, "data.path", default=None)
+    if data_target.startswith("attnres.training.data.") and not (path and os.path.isdir(str(path))):
+        _build("data", lambda: instantiate(cfg.data))
+    if str(OmegaConf.select(cfg, "residual._target_", default="")).startswith("attnres.") and \
+            isinstance(value_at(cfg, "model.n_embd"), int) and isinstance(value_at(cfg, "model.n_layer"), int):
+        _build("residual", lambda: instantiate(cfg.residual)(d_model=cfg.model.n_embd,
+                                                             num_layers=2 * cfg.model.n_layer))
+    if str(OmegaConf.select(cfg, "optim.optimizer._target_", default="")).startswith("torch.optim."):
+        import torch
+
+        _build("optim.optimizer", lambda: instantiate(cfg.optim.optimizer)([torch.nn.Parameter(torch.zeros(1))]))
+    steps = value_at(cfg, "optim.total_steps") or value_at(cfg, "trainer.max_steps")
+    schedule = OmegaConf.select(cfg, "optim.schedule")
+    if isinstance(steps, int) and steps >= 1 and str(OmegaConf.select(cfg, "optim.schedule._target_", default="")) \
+            .startswith("attnres.training.schedules.") and schedule is not None:
+        _build("optim.schedule", lambda: instantiate(schedule)(0, total_steps=steps))
+
+
+def _build(what: str, build: Callable[[], Any]) -> None:
+    from hydra.errors import InstantiationException
+
+    try:
+        build()
+    except ConfigError:
+        raise
+    except InstantiationException as err:
+        cause = err
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise ConfigError(str(cause)) from err
+        raise ConfigError(f"{what}: {' '.join(str(cause).split())}; fix its settings on the command line") from err
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{what}: {' '.join(str(err).split())}; fix its settings on the command line") from err
+
+

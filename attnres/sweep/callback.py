@@ -1,0 +1,40 @@
+"""The Hydra callback that every sweep gets (conf/config.yaml), whichever launcher runs it: the
+sweep folder locked for the sweep's life, and the summary written when it ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from attnres.config.errors import user_errors
+from attnres.results import verdict
+from attnres.results.summary import format_counts, primary_metric, terminal_table, verdict_lines, write_sweep_summary
+from attnres.sweep.plan import no_jobs_error, record_outcome
+from attnres.sweep.slots import lock_sweep_dir
+
+
+class SweepSummary(Callback):
+    """Hydra callback, whichever launcher runs the sweep: locks the sweep folder when the sweep
+    starts (a second sweep into it is refused), and writes the summary when it ends, closing with
+    one line that counts how this sweep's jobs ended (`plan.exit_status` reads the counts)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with user_errors():  # before Hydra writes anything into the folder
+            lock_sweep_dir(Path(str(config.hydra.sweep.dir)))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.is_dir():
+            return
+        counts = record_outcome(sweep_dir)  # first: exit_status must not depend on the plot
+        if not counts:  # launchers that never call ours (basic, SLURM) with nothing to run
+            with user_errors():
+                raise no_jobs_error(config)
+        rows = write_sweep_summary(sweep_dir)
+        print(terminal_table(rows), flush=True)
+        for line in verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows):
+            print(f"verdict: {line}", flush=True)
+        print(f"sweep: {format_counts(counts)} -> {sweep_dir / 'summary.md'}", flush=True)

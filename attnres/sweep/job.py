@@ -1,0 +1,176 @@
+"""One sweep job: a fresh process on the claimed slot, which calls `training.run.train` directly.
+
+An exception, an out-of-memory error or a kill ends that job as `failed`, with its error in
+`metrics.json`, and the sweep goes on. A fresh process per job is also what lets Lightning's
+DDP launcher re-run the job, not the sweep. A job process gets SIGTERM when its worker dies
+(PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+
+from attnres.atomic import write_json
+from attnres.sweep import slots, slurm_job
+from attnres.sweep.plan import folder_key, read_status, sweep_jobs
+from attnres.sweep.slots import (
+    PARENT_ENV,
+    SLOTS_ENV,
+    claim_slot,
+    default_lock_dir,
+    die_with_parent,
+    process_start,
+    write_lock,
+)
+
+log = logging.getLogger(__name__)
+
+#: how a job's own process starts (`job_process`), with the spec its worker wrote as argument
+JOB_PROCESS = "from attnres.sweep.job import job_process; job_process()"
+
+
+def job_process() -> None:
+    """The start of a sweep job's own process (`python -c JOB_PROCESS SPEC`): it gets SIGTERM when
+    its worker dies, then trains the job its spec describes and exits with its status."""
+    die_with_parent(signal.SIGTERM)
+    if slurm_job.in_slurm_job():  # SLURM's warning before a preemption or its time limit: checkpoint and exit
+        slurm_job.forward_preemption()
+    parent = os.environ.pop(PARENT_ENV, "")
+    if parent.isdigit() and os.getppid() != int(parent):  # the worker died before the line above
+        sys.exit(128 + signal.SIGTERM)
+    sys.exit(run_child_job(Path(sys.argv[1])))
+
+
+def run_child_job(spec_path: Path) -> int:
+    """Body of a sweep job's own process: `training.run.train` on the spec the launcher's worker
+    wrote; any failure is recorded in metrics.json (status "failed" and the error), not raised."""
+    import torch  # here, as Lightning below: Hydra's workers import this module and need neither
+
+    from attnres.training.faults import RunEnded, RunRefused
+    from attnres.training.run import train
+
+    spec = json.loads(spec_path.read_text())
+    run_dir, info = Path(spec["run_dir"]), spec["info"]
+    threads = info.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    start = time.perf_counter()
+    try:
+        train(OmegaConf.create(spec["config"]), run_dir, info)
+        return 0
+    except RunEnded as err:  # interrupted, or stopped on a non-finite loss: metrics.json says so already
+        print(f"attnres-run: {err}", file=sys.stderr)
+        return err.exit_code
+    except RunRefused as err:  # the folder is another run's: its metrics.json is not this job's to write
+        print(f"attnres-run: error: {err}", file=sys.stderr)
+        return 2
+    except BaseException as err:  # a job's failure is data for the summary, not a crash of the sweep
+        traceback.print_exc()
+        message = str(err).splitlines()[0] if str(err) else ""
+        cause = err
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+            message = str(cause).splitlines()[0] if str(cause) else message
+        write_json(run_dir / "metrics.json", {
+            "status": "failed", "error": f"{type(cause).__name__}: {message}"[:500], "slot": info.get("slot"),
+            "wall_time_s": round(time.perf_counter() - start, 3), "overrides": info.get("overrides"),
+        })
+        return 1
+
+
+# -- one job (in a launcher's worker): train in a child process, on the claimed slot ---------------
+def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
+    """Run one sweep job in a fresh process and record how it ended; never raises.
+
+    Under ParallelLauncher the process is pinned to this worker's slot; under another launcher
+    (basic, SLURM) it inherits this process's devices as they are.
+    """
+    slot = None
+    if slurm_job.in_slurm_job() and not slurm_job.continue_own_run(cfg, run_dir):
+        return  # a requeue of a job whose run has finished
+    if SLOTS_ENV in os.environ:
+        slot = claim_slot(Path(os.environ.get("ATTNRES_LOCK_DIR", default_lock_dir())))[0]
+    else:  # the basic launcher runs the jobs in the sweep process: count them for exit_status
+        with contextlib.suppress(Exception):
+            sweep_dir = Path(str(HydraConfig.get().sweep.dir))
+            sweep_jobs.setdefault(folder_key(sweep_dir), {})[run_dir.relative_to(sweep_dir).as_posix()] = None
+    env = {k: v for k, v in os.environ.items() if k != SLOTS_ENV}
+    env[PARENT_ENV] = str(os.getpid())
+    job_info = {**info, "slot": None, "device": "inherited"}
+    if slot is not None:
+        env.update(OMP_NUM_THREADS=str(slot.threads), ATTNRES_SLOT=slot.name,
+                   CUDA_VISIBLE_DEVICES=slot.device if slot.device is not None and not slot.simulated else "")
+        job_info.update(slot=slot.name, threads=slot.threads, simulated_gpu=slot.simulated,
+                        device=f"cuda:{slot.device}" if slot.device is not None and not slot.simulated else "cpu")
+    elif slurm_job.in_slurm_job() and slurm_job.job_threads():  # the CPUs SLURM gave the job, not the node's
+        env["OMP_NUM_THREADS"] = str(slurm_job.job_threads())
+        job_info.update(threads=slurm_job.job_threads(), slurm_job=slurm_job.current_job_id())
+    spec_path = run_dir / ".hydra" / "job.json"
+    write_json(spec_path, {"config": OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir),
+                           "info": job_info})
+    name = f"job {HydraConfig.get().job.num}"
+    where = f"slot {slot.name} ({job_info['device']})" if slot else "this process's devices"
+    log.info(f"{name} on {where} -> {run_dir}")
+    start = end = time.time()
+    slots.recorded.clear()
+    # under SLURM the training process starts deaf to the preemption signals until it has its own
+    # handlers (slurm_job.forward_preemption): SLURM signals every process of the job
+    deaf = slurm_job.deaf_to_preemption() if slurm_job.in_slurm_job() else contextlib.nullcontext()
+    try:
+        with open(run_dir / "train.log", "ab") as out:
+            with deaf:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", JOB_PROCESS, str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
+                    env=env, pass_fds=(slots.claimed[1],) if slot is not None and slots.claimed else (),
+                )
+            slots.current_job = proc
+            if slot is not None and slots.claimed:  # a stale-lock check can then find the job process too
+                slots.slot_info.update(child=proc.pid, child_start=process_start(proc.pid), run_dir=str(run_dir))
+                write_lock(slots.claimed[1], slots.slot_info)
+            proc.wait()
+        end = time.time()
+        _record_end(proc, run_dir, job_info, end - start)
+        write_json(run_dir / "slot.json", {"slot": job_info["slot"], "device": job_info["device"], "pid": proc.pid,
+                                           "worker_pid": os.getpid(), "start": start, "end": end})
+    finally:
+        slots.current_job = None
+        if slot is not None and slots.claimed:
+            slots.slot_info.update(child=None, child_start=None, run_dir=None)
+            with contextlib.suppress(OSError):
+                write_lock(slots.claimed[1], slots.slot_info)
+        slots.recorded.set()
+    log.info(f"{name}: {read_status(run_dir) or 'no status'} on {where} after {end - start:.0f} s")
+
+
+def _record_end(proc: subprocess.Popen, run_dir: Path, job_info: dict[str, Any], wall_time_s: float) -> None:
+    """metrics.json for a job process that could not say how it ended."""
+    status = read_status(run_dir)
+    if status in ("failed", "interrupted") or (status == "finished" and proc.returncode == 0):
+        return
+    if slots.orphaned.is_set():  # the watchdog stopped it: the sweep died
+        why = f"stopped when its sweep process died (exit status {proc.returncode}); resume=true continues it"
+        record = {"status": "interrupted", "error": why}
+    elif proc.returncode != 0:  # died without saying why: it was killed
+        why = (f"killed by signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+               else f"exited with status {proc.returncode}")
+        if proc.returncode == -signal.SIGKILL:
+            why += " (out of memory?)"
+        record = {"status": "failed", "error": why}
+    else:
+        return
+    write_json(run_dir / "metrics.json", {**record, "slot": job_info["slot"], "wall_time_s": round(wall_time_s, 3)})

@@ -1,0 +1,106 @@
+"""Checkpoints: written atomically, chosen for a resume (never clobbering a run), checked before use."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+from attnres.atomic import atomic_write, read_json
+from attnres.config.errors import ConfigError
+from attnres.training.faults import RunRefused, clear_previous_run
+
+log = logging.getLogger("attnres")
+
+
+def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwrite: bool) -> str | None:
+    """The checkpoint to continue from, or None for a fresh run; refuses to clobber a run.
+
+    Call it holding the run's `RunLock`. A folder "holds a run" when it has `last.ckpt` or a
+    `metrics.json`. `overwrite=true` removes the previous run's checkpoints, events and
+    metrics first (`faults.clear_previous_run`), so nothing of it can be resumed later.
+    `resume=true` on a run that never reached its first checkpoint starts it from scratch
+    and says so: a requeue loop that always passes `resume=true` can restart it.
+    """
+    last = run_dir / "checkpoints" / "last.ckpt"
+    status = read_json(run_dir / "metrics.json").get("status")
+    if resume and overwrite:
+        raise ConfigError("resume=true and overwrite=true contradict each other; pass only one of them")
+    if ckpt_path:
+        if not Path(ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path={ckpt_path} is not a file; pass the path of a .ckpt written by attnres-run")
+        if overwrite:
+            clear_previous_run(run_dir)
+        return str(ckpt_path)
+    if resume:
+        if last.is_file():
+            return str(last)
+        if status == "finished":
+            raise ConfigError(
+                f"resume=true but the finished run in {run_dir} has no checkpoints/last.ckpt to continue from; "
+                "pass overwrite=true to train it again, or name=<new name> for a new folder"
+            )
+        log.warning(f"resume=true: {run_dir} has no checkpoint yet (stopped before its first one); "
+                    "starting this run from scratch")
+        return None
+    if overwrite:
+        clear_previous_run(run_dir)
+        return None
+    if last.is_file() or status is not None:
+        held = last if last.is_file() else run_dir / "metrics.json"
+        raise RunRefused(
+            f"{run_dir} already holds a run ({held}); pass resume=true to continue it, "
+            "overwrite=true to start it again, or name=<new name> for a new folder"
+        )
+    return None
+
+
+def check_checkpoint(path: str, module: pl.LightningModule) -> None:
+    """Fail early, in one line, on a checkpoint that is unreadable or for another model."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # any failure to unpickle means the same thing to the user
+        raise ConfigError(f"checkpoint {path} is corrupt or not a checkpoint ({type(err).__name__}: {err})") from err
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if state is None:
+        raise ConfigError(f"checkpoint {path} has no 'state_dict'; it was not written by attnres-run")
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        which = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which this model lacks"
+        raise ConfigError(
+            f"checkpoint {path} does not match this model: it {which} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected keys); "
+            "resume with the config it was trained with (.hydra/config.yaml in its run folder)"
+        )
+    for key, value in expected.items():
+        if state[key].shape != value.shape:
+            raise ConfigError(
+                f"checkpoint {path} does not match this model: {key} is {tuple(state[key].shape)} there "
+                f"but {tuple(value.shape)} here; resume with the config it was trained with"
+            )
+
+
+def describe_checkpoint(path: Path) -> str:
+    """`path (step N)` for the checkpoint a user can go back to, or a note that there is none."""
+    if not path.is_file():
+        return "no checkpoint yet"
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("global_step")
+    except Exception:  # unreadable: say where it is all the same
+        step = None
+    return f"{path} (step {step})" if step is not None else str(path)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning checkpoint IO that never leaves a truncated checkpoint behind."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        atomic_write(path, lambda f: torch.save(checkpoint, f))

@@ -1,0 +1,238 @@
+"""How a run reports: metrics.json, the block it prints when it ends, its one-line description,
+how an interrupted or failed run ends, and the run's log file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
+
+from attnres.atomic import DISK_FULL, write_json
+from attnres.config.errors import ConfigError
+from attnres.training.checkpoints import describe_checkpoint
+from attnres.training.faults import Interrupted, RunEnded
+from attnres.training.lit import peak_memory_bytes
+
+log = logging.getLogger("attnres")
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def write_summary(
+    run_dir: Path, trainer: pl.Trainer, module: Any, wall_time_s: float, extra: dict[str, Any],
+    status: str = "finished",
+) -> dict[str, Any]:
+    """metrics.json: status, final metrics, parameter counts, tokens seen, wall time and peak memory."""
+    metrics = {k: _scalar(v) for k, v in trainer.callback_metrics.items()}
+    model = module.model
+    summary = {
+        "status": status,
+        "metrics": {k: v for k, v in sorted(metrics.items()) if not k.startswith(("lr/", "perf/"))},
+        "tokens_per_sec": module.session_tokens / module.session_train_s if module.session_train_s else None,
+        "mfu": module.session_mfu() if hasattr(module, "session_mfu") else None,  # GPU only
+        "parameters": model.num_parameters() if hasattr(model, "num_parameters") else None,
+        "parameters_without_residual": (
+            model.num_parameters(exclude_residual=True) if hasattr(model, "num_parameters") else None
+        ),
+        "non_embedding_parameters": (
+            model.num_parameters(exclude_embedding=True) if hasattr(model, "num_parameters") else None
+        ),
+        "tokens_seen": module.tokens_seen,
+        "steps": trainer.global_step,
+        "skipped_steps": getattr(module, "skipped_steps", 0),
+        "rollbacks": getattr(module, "rollbacks", 0),
+        "wall_time_s": round(wall_time_s, 3),
+        "peak_memory_bytes": peak_memory_bytes(module.device),
+        **extra,
+    }
+    write_json(run_dir / "metrics.json", summary)
+    return summary
+
+
+def _human(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{seconds:.1f} s"
+
+
+def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -> str:
+    """What a run tells the user when it ends: the numbers of metrics.json and where things are."""
+    metrics = summary.get("metrics", {})
+    shown = [f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/") and isinstance(v, float)]
+    where = os.path.relpath(run_dir) if not os.path.relpath(run_dir).startswith("..") else str(run_dir)
+    peak = summary.get("peak_memory_bytes")
+    speed = summary.get("tokens_per_sec")
+    lines = [
+        f"{summary['status']} in {_duration(summary['wall_time_s'])}: " + (", ".join(shown) or "no validation"),
+        f"  steps {summary['steps']}, tokens seen {_human(summary['tokens_seen'])}"
+        + (f", {_human(speed)} tokens/s" if speed else "")
+        + (f", peak memory {peak / 2**20:,.0f} MiB" if peak else ""),
+        f"  run folder   {where}",
+    ]
+    ckpts = [p.name for p in (run_dir / "checkpoints").glob("*.ckpt")] if (run_dir / "checkpoints").is_dir() else []
+    if ckpts:
+        lines.append(f"  checkpoints  {where}/checkpoints/ ({', '.join(sorted(ckpts))})")
+    lines.append(f"  metrics      {where}/metrics.json")
+    if events_dir is not None:
+        lines.append(f"  TensorBoard  tensorboard --logdir {where}")
+        lines.append(f"  figures      python experiments/plot_run.py {where}")
+    return "\n".join(lines)
+
+
+def config_summary(cfg: DictConfig, info: dict[str, Any]) -> str:
+    """One line that says what this run trains, for the terminal and the run's log."""
+    residual = str(info.get("residual") or "?")
+    sizes, blocks = cfg.residual.get("block_sizes"), cfg.residual.get("num_blocks")
+    if sizes is not None:
+        residual += f" (blocks {list(sizes)})"
+    elif blocks is not None:
+        residual += f" (N={blocks})"
+    model = cfg.model
+    return (f"{residual}, model {info.get('model')} ({model.get('n_layer')} layers, {model.get('n_embd')} wide, "
+            f"{model.get('n_head')} heads), data {info.get('data')} (batch {cfg.data.get('batch_size')} x "
+            f"{cfg.data.get('block_size')}), {cfg.trainer.get('max_steps')} steps, "
+            f"lr {cfg.optim.optimizer.get('lr')}, seed {cfg.seed}")
+
+
+def end_interrupted(err: BaseException, stop: Any, trainer: pl.Trainer, module: Any, run_dir: Path,
+                    info: dict[str, Any], elapsed_s: float) -> RunEnded:
+    """A run stopped by SIGINT/SIGTERM (`Interrupted`, or Lightning's SIGTERMException when the
+    signal beat our handler): the checkpoint is saved, metrics.json says "interrupted", and the
+    RunEnded to raise says how to continue (exit 130 / 143)."""
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    last = stop.checkpoint
+    sig = err.signal if isinstance(err, Interrupted) else signal.SIGTERM
+    stop.received = stop.received or sig
+    if isinstance(err, SIGTERMException) and not trainer.fast_dev_run:
+        trainer.save_checkpoint(last, weights_only=False)
+    if trainer.is_global_zero:
+        write_summary(run_dir, trainer, module, elapsed_s, {**info, "interrupted_by": sig.name}, status="interrupted")
+    return RunEnded(f"interrupted by {sig.name} at step {trainer.global_step}; saved {last}; "
+                    "continue with the same command and resume=true", stop.exit_code)
+
+
+def end_nonfinite(err: BaseException, trainer: pl.Trainer, module: Any, run_dir: Path, last: Path,
+                  info: dict[str, Any], elapsed_s: float) -> RunEnded:
+    """A run stopped by a non-finite loss: metrics.json says "failed", naming the step and the
+    last good checkpoint; the RunEnded to raise (exit 1) says the same."""
+    where = describe_checkpoint(last)
+    if trainer.is_global_zero:
+        write_summary(run_dir, trainer, module, elapsed_s, {**info, "error": str(err), "last_checkpoint": where},
+                      status="failed")
+    return RunEnded(f"error: {err}; the last good checkpoint is {where}; "
+                    "see nonfinite.policy (stop, skip, rollback) in README", 1)
+
+
+@contextlib.contextmanager
+def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
+    """How a single run ends for the user: one line on stderr and its exit status for a run that
+    stopped on purpose (`RunEnded`: a signal, a non-finite loss) or on a full disk; any error
+    goes to `attnres.log` with its traceback, the terminal shows what `user_errors` shows."""
+    try:
+        yield
+    except RunEnded as err:
+        log.error(str(err))
+        print(f"attnres-run: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except OSError as err:
+        log_traceback(err)
+        if err.errno not in DISK_FULL or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        where = f" writing {err.filename}" if err.filename else ""
+        kept = ""
+        if run_dir is not None:
+            kept = f"; kept: {describe_checkpoint(run_dir / 'checkpoints' / 'last.ckpt')}"
+        print(f"attnres-run: error: disk full{where}{kept}; free some space, then rerun with resume=true",
+              file=sys.stderr)
+        sys.exit(2)
+    except BaseException as err:
+        log_traceback(err)
+        if run_dir is not None and isinstance(err, (ConfigError, InstantiationException, MissingMandatoryValue)):
+            remove_if_untouched(run_dir)  # a refused command leaves no folder behind
+        raise
+
+
+#: what a run folder holds before the run has produced anything (Hydra writes the first two)
+UNTOUCHED = {".hydra", "attnres.log", ".run.lock"}
+
+
+def remove_if_untouched(run_dir: Path) -> bool:
+    """Remove a run folder that holds nothing but Hydra's files (a run refused before it started),
+    and the parent folders that become empty, up to the current folder. Never a folder that holds
+    anything else, or one another process is running in."""
+    from attnres.training.faults import RunLock
+
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - UNTOUCHED:
+        return False
+    try:
+        with RunLock(run_dir):
+            shutil.rmtree(run_dir)
+    except (ConfigError, OSError):
+        return False
+    cwd, parent = Path.cwd().resolve(), run_dir.resolve().parent
+    while parent != cwd and cwd in parent.parents:
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+        parent = parent.parent
+    return True
+
+
+def _to_log_file(logger: logging.Logger) -> logging.Logger:
+    """Give `logger` the run's log file handlers (Hydra puts them on the root logger)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler not in logger.handlers:
+            logger.addHandler(handler)
+    return logger
+
+
+def file_log() -> logging.Logger:
+    """A logger that writes to the run's log file only (Hydra's file handler), not the terminal."""
+    logger = logging.getLogger("attnres.file")
+    logger.propagate = False
+    return _to_log_file(logger)
+
+
+def log_traceback(err: BaseException) -> None:
+    """The error and its traceback into the run's log file (not the terminal)."""
+    if isinstance(err, (SystemExit, KeyboardInterrupt)) and not isinstance(err, RunEnded):
+        return
+    file_log().error(f"the run failed: {type(err).__name__}: {err}", exc_info=err)
+
+
+def report(text: str) -> None:
+    """Print `text` as it is (no log prefix) and keep it in the run's log file."""
+    print(text, flush=True)
+    file_log().info(text)
+
+
+def share_log_file() -> None:
+    """Lightning's own messages go to the run's log file too (Lightning does not propagate them
+    to the root logger, where Hydra puts the file handler)."""
+    _to_log_file(logging.getLogger("pytorch_lightning"))
+
+
