@@ -20,7 +20,7 @@ MAX_BYTES = 200  # well under the 255 bytes most file systems allow in one name
 HASH_CHARS = 8
 # Hydra joins the overrides with "," and writes each as key=value; a value may hold a "," too
 # (`x=[1,2]`), so split only where a key follows
-_NEXT_OVERRIDE = re.compile(r",(?=[+~]{0,2}[A-Za-z_][\w.\-/@]*=)")
+NEXT_OVERRIDE = re.compile(r",(?=[+~]{0,2}[A-Za-z_][\w.\-/@]*=)")
 _UNSAFE = re.compile(r"[^\w.+\-]")
 
 
@@ -37,12 +37,17 @@ def _flat(text: str) -> str:
     return f"{readable}-{_digest(text)}" if readable else _digest(text)
 
 
+def split_overrides(name: str) -> list[str]:
+    """The `key=value` items of a run folder name or an `override_dirname` (a value may hold a ",")."""
+    return NEXT_OVERRIDE.split(name)
+
+
 def run_id(override_dirname: str) -> str:
     """The folder name of a run from Hydra's `override_dirname` ("defaults" when empty)."""
     if not override_dirname:
         return "defaults"
     items = []
-    for item in _NEXT_OVERRIDE.split(override_dirname):
+    for item in split_overrides(override_dirname):
         key, sep, value = item.partition("=")
         items.append(f"{key.replace('/', '.')}{sep}{_flat(value)}" if sep else _flat(item))
     name = ",".join(items)

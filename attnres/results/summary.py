@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import atomic_write, read_json
+from attnres.config.naming import split_overrides
 from attnres.results import summary_figure, verdict
 
 COLUMNS = ["job", "config", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
@@ -39,7 +39,6 @@ STATUS_ORDER = ("finished", "failed", "interrupted", "cancelled", "preempted", "
                 "duplicate")
 #: the keys that do not name a run folder (conf/config.yaml: hydra.job.config.override_dirname)
 DEFAULT_EXCLUDED = ("name", "resume", "ckpt_path", "overwrite", "trainer.enable_progress_bar", "data.num_workers")
-_NEXT_OVERRIDE = re.compile(r",(?=[+~]{0,2}[A-Za-z_][\w.\-/@]*=)")
 
 
 def find_job_dirs(sweep_dir: Path) -> list[Path]:
@@ -66,10 +65,11 @@ def job_overrides(run_dir: Path) -> dict[str, str] | None:
         excluded = OmegaConf.load(hydra_dir / "hydra.yaml").hydra.job.config.override_dirname.exclude_keys
     except Exception:  # no hydra.yaml (hand-made folder) or another layout: the defaults
         pass
-    return parse_overrides([str(o) for o in overrides or []], excluded)
+    return overrides_by_key([str(o) for o in overrides or []], excluded)
 
 
-def parse_overrides(overrides: list[str], excluded: Any = ()) -> dict[str, str]:
+def overrides_by_key(overrides: list[str], excluded: Any = ()) -> dict[str, str]:
+    """`key=value` strings as {key: value}, leaving out the keys in `excluded` (and bare items)."""
     parsed = {}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -150,7 +150,7 @@ def config_labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:
 def short_names(names: list[str]) -> dict[str, str]:
     """Job folder name -> only the overrides that differ between the jobs of the sweep (parsed from
     the names; `collect_rows` reads each job's `.hydra/overrides.yaml` instead)."""
-    return job_labels({n: parse_overrides(_NEXT_OVERRIDE.split(Path(n).name)) for n in names})
+    return job_labels({n: overrides_by_key(split_overrides(Path(n).name)) for n in names})
 
 
 def status_counts(statuses: list[str]) -> Counter:
@@ -176,14 +176,14 @@ def collect_rows(sweep_dir: Path, *more_dirs: Path) -> list[dict[str, Any]]:
             name = prefix + run_dir.relative_to(folder).as_posix()
             rows[name] = _job_row(run_dir)
             found = job_overrides(run_dir)
-            overrides[name] = found if found is not None else parse_overrides(_NEXT_OVERRIDE.split(run_dir.name))
+            overrides[name] = found if found is not None else overrides_by_key(split_overrides(run_dir.name))
         for name, note in sorted(notes.items()):
             if note.get("status") == "duplicate" and prefix + str(note.get("same_as")) in rows:
                 same_as = prefix + note["same_as"]
                 rows[prefix + name] = {**rows[same_as], "job": name, "status": "duplicate", "same_as": same_as}
                 listed = note.get("overrides")
-                overrides[prefix + name] = (parse_overrides(listed, DEFAULT_EXCLUDED) if listed is not None
-                                            else parse_overrides(_NEXT_OVERRIDE.split(Path(name).name)))
+                overrides[prefix + name] = (overrides_by_key(listed, DEFAULT_EXCLUDED) if listed is not None
+                                            else overrides_by_key(split_overrides(Path(name).name)))
     labels, configs = job_labels(overrides), config_labels(overrides)
     for name, row in rows.items():
         row["job"], row["config"] = labels[name], configs[name]

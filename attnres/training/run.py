@@ -14,11 +14,12 @@ from typing import Any
 
 import pytorch_lightning as pl
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from attnres.config import naming  # noqa: F401  (registers the run-folder resolver)
+from attnres.config.moved import update_moved_targets
 from attnres.config.rules import validate_config
 from attnres.training.checkpoints import AtomicCheckpointIO, check_checkpoint, resume_checkpoint
 from attnres.training.devices import keep_freed_memory, resolve_precision
@@ -50,6 +51,8 @@ logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: n
 
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
+    with read_write(cfg):
+        update_moved_targets(cfg)  # a config written before the runner was split names old paths
     validate_config(cfg)
     if cfg.get("keep_freed_memory", True):
         keep_freed_memory()  # before the first large tensor
