@@ -1,2 +1,2 @@
 """Reading results: sweep summaries and their verdicts, the scaling fit, and the figures
-(dashboards, probes, sweeps). Imports nothing of config, training or sweep."""
+(dashboards, probes, sweeps). Of the runner it imports only `attnres.config`."""
