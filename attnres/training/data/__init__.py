@@ -1,14 +1,5 @@
-"""Lightning data modules: byte-level LM (stdlib source or your own text), token files, a synthetic task.
-
-Every module is built from keyword arguments (Hydra `_target_`), knows `vocab_size` and `metric`
-right after `__init__`, yields `(inputs, targets)` int64 batches (B, T) with -100 where nothing is
-scored, draws training sample i from (seed, i) alone (resumable by step), and validates on a
-fixed, bounded set. Text modules also know `token_bytes`, the UTF-8 bytes of each token, so that
-`val/bpb` is bits per byte of text whatever the tokenizer. See `common.py` for the shared contract.
-
-The names below are loaded on first use (PEP 562): `attnres-prepare` and its encoding workers
-import `attnres.training.data.prepare` without Lightning.
-"""
+"""Lightning data modules: byte-level LM (stdlib source or your own text), token files, a synthetic
+task; all share `common.py`'s contract. Names load on first use (attnres-prepare needs no Lightning)."""
 
 from importlib import import_module
 from typing import Any
