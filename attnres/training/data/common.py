@@ -8,8 +8,8 @@ would, whatever the epoch or the number of workers. Validation is a fixed, bound
 The contract every data module keeps: it is built from keyword arguments (Hydra `_target_`),
 knows `vocab_size` and `metric` right after `__init__`, yields `(inputs, targets)` int64 batches
 (B, T) with -100 where nothing is scored, draws training sample i from (seed, i) alone
-(resumable by step), and validates on a fixed, bounded set. Text modules also know `token_bytes`, the UTF-8 bytes of each token, so that
-`val/bpb` is bits per byte of text whatever the tokenizer.
+(resumable by step), and validates on a fixed, bounded set. Text modules also know `token_bytes`,
+the UTF-8 bytes of each token, so that `val/bpb` is bits per byte of text whatever the tokenizer.
 """
 
 from __future__ import annotations
