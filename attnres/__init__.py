@@ -2,7 +2,9 @@
 
 `import attnres` loads only torch: functional ops, residual strategies (drop-in modules),
 `TransformerEncoder` (torch's, with `residual=`) and the Transformer. The Lightning/Hydra
-runner lives in `attnres.training` and `cli.py`.
+runner lives apart, by concern: `attnres.config` (checking and composing a command),
+`attnres.training` (one run), `attnres.sweep` (many runs) and `attnres.results` (summaries,
+verdicts, figures), with `cli.py` on top; docs/layout.md draws the house.
 
 The names below are loaded on first use (PEP 562), so that `attnres-run --help`, which only
 reads the config files, starts without importing torch.

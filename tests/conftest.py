@@ -1,6 +1,12 @@
-"""Shared fixtures of the core tests: an independent float64 reference of depth attention
-(DESIGN.md section 2, written here from the formulas, never calling attnres) and the one
-relative-error measure every forward and gradient comparison uses."""
+"""Shared fixtures: an independent float64 reference of depth attention (DESIGN.md section 2,
+written here from the formulas, never calling attnres), the one relative-error measure every
+forward and gradient comparison uses, and the runs and the sweep trained once per test session
+(tests/helpers.py) for the tests that only read what they wrote.
+
+Global resources are isolated per test process (each pytest-xdist worker is one): the sweep slot
+folder (ATTNRES_LOCK_DIR) and the data cache (ATTNRES_CACHE). The fused CPU kernel's build folder
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) is shared on purpose: a build costs ~30 s
+and attnres/ops/cpu_fused.py serialises builders with an flock (tests/ops/test_cpu_fused.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import tempfile
 
 import pytest
 import torch
+
+from tests import helpers
 
 # Without a GPU, the Triton kernel tests run in Triton's CPU interpreter. Triton reads this
 # when it is first imported, and Lightning (imported by other test modules) may import it
@@ -24,6 +32,11 @@ if not torch.cuda.is_available():
 if "ATTNRES_LOCK_DIR" not in os.environ:
     os.environ["ATTNRES_LOCK_DIR"] = tempfile.mkdtemp(prefix="attnres-test-slots-")
     atexit.register(shutil.rmtree, os.environ["ATTNRES_LOCK_DIR"], ignore_errors=True)
+# Data modules cache corpora under ~/.cache/attnres unless data.cache_dir is set: the tests' (and
+# their runs') caches go to a folder of this process's own.
+if "ATTNRES_CACHE" not in os.environ:
+    os.environ["ATTNRES_CACHE"] = tempfile.mkdtemp(prefix="attnres-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ATTNRES_CACHE"], ignore_errors=True)
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -89,3 +102,25 @@ def torch_single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# -- the runs and the sweep the tests share (trained once per session, whichever worker asks first) --
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory) -> dict[str, helpers.Ran]:
+    """The CLI runs of helpers.STRATEGY_RUNS (standard, full, block, and block with callbacks=none),
+    trained at once. Read only: a test that writes into a run folder copies it (helpers.copy_run)."""
+    root, outcome = helpers.shared_once(tmp_path_factory, "strategy-runs", helpers.train_strategy_runs)
+    runs = {name: helpers.Ran(root / name, **ran) for name, ran in outcome.items()}
+    for name, ran in runs.items():
+        assert ran.returncode == 0, f"{name} failed:\n{ran.stdout[-3000:]}{ran.stderr[-3000:]}"
+    return runs
+
+
+@pytest.fixture(scope="session")
+def shared_sweep(tmp_path_factory) -> helpers.Ran:
+    """The sweep of helpers.sweep_command (standard and block, two seeds, two simulated GPUs), its
+    folder `.dir`. Read only, as the runs above."""
+    root, ran = helpers.shared_once(tmp_path_factory, "shared-sweep", helpers.run_shared_sweep)
+    sweep = helpers.Ran(root / "sweep", **ran)
+    assert sweep.returncode == 0, sweep.stderr[-4000:]
+    return sweep

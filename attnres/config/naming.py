@@ -6,7 +6,8 @@ a value holding a path (`data.path=/data/a/corpus.txt`) becomes its last part pl
 of the whole value (`data.path=corpus.txt-3f2a9c1e`), and a name longer than `MAX_BYTES` is
 cut and ends with a hash of the whole. The same overrides always give the same name.
 
-Registered on import (run.py imports this module), so that sweep workers have it too.
+Registered on import (config.compose, config.job and training.run import this module), so that
+every process that composes or runs a job has it.
 """
 
 from __future__ import annotations

@@ -22,12 +22,11 @@ from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_joblib_launcher._core import launch as joblib_launch
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
 
-from attnres.sweep.plan import OneLineRefusals, no_jobs_error, plan_jobs
+from attnres.sweep.plan import AttnresLauncher, plan_jobs
 from attnres.sweep.slots import (
     SLOTS_ENV,
     SWEEP_ENV,
     default_lock_dir,
-    lock_sweep_dir,
     plan_slots,
     process_start,
     reap_stale_slots,
@@ -37,7 +36,7 @@ from attnres.sweep.slots import (
 log = logging.getLogger(__name__)
 
 
-class ParallelLauncher(OneLineRefusals, JoblibLauncher):
+class ParallelLauncher(AttnresLauncher, JoblibLauncher):
     """Hydra's joblib launcher, with device slots, dedup, resume and a sweep summary."""
 
     def __init__(
@@ -48,12 +47,8 @@ class ParallelLauncher(OneLineRefusals, JoblibLauncher):
         self.jobs_per_gpu, self.cpu_jobs, self.stop_grace_s = jobs_per_gpu, cpu_jobs, float(stop_grace_s)
         self.lock_dir = Path(lock_dir) if lock_dir else default_lock_dir()
 
-    def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        assert self.config is not None and self.hydra_context is not None
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        if not job_overrides:
-            raise no_jobs_error(self.config)
-        lock_sweep_dir(sweep_dir)
+    def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
+                initial_job_idx: int) -> Sequence[JobReturn]:
         slots = plan_slots(visible_gpus(), self.jobs_per_gpu, self.cpu_jobs)
         os.environ[SLOTS_ENV] = json.dumps([asdict(s) for s in slots])  # workers inherit it
         os.environ["ATTNRES_LOCK_DIR"] = str(self.lock_dir)

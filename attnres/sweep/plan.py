@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError, user_errors
 from attnres.results.summary import collect_rows, status_counts
+from attnres.sweep.slots import lock_sweep_dir
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +36,25 @@ EFFECTIVE_KEYS = ("residual", "model", "data", "trainer", "optim", "seed", "comp
 IGNORED_KEYS = ("data.num_workers", "trainer.enable_progress_bar", "trainer.default_root_dir")
 
 
-class OneLineRefusals:
-    """What every attnres launcher shares: Hydra prints an exception from a launcher with its
-    traceback and exits 1; a ConfigError from `_launch` is the user's to fix: one line and exit
-    status 2, before any job starts."""
+class AttnresLauncher:
+    """What every attnres launcher shares, before its own `_launch(sweep_dir, ...)`: the sweep folder
+    locked for the sweep's life (a second sweep into it is refused), a sweep with no jobs refused,
+    and every ConfigError as one line and exit status 2 before any job starts (Hydra would print an
+    exception from a launcher with its traceback and exit 1)."""
+
+    config: Any
+    hydra_context: Any
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         with user_errors():
-            return self._launch(job_overrides, initial_job_idx)
+            assert self.config is not None and self.hydra_context is not None
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))
+            if not job_overrides:
+                raise no_jobs_error(self.config)
+            lock_sweep_dir(sweep_dir)
+            return self._launch(sweep_dir, job_overrides, initial_job_idx)
 
-    def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
+    def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         raise NotImplementedError
 
 

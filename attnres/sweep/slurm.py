@@ -41,8 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError
-from attnres.sweep.plan import OneLineRefusals, holds_run, no_jobs_error, plan_jobs, read_status
-from attnres.sweep.slots import lock_sweep_dir
+from attnres.sweep.plan import AttnresLauncher, holds_run, plan_jobs, read_status
 from attnres.sweep.slurm_job import MARKER, PREEMPT_SIGNALS
 from attnres.sweep.slurm_resources import fit_resources, read_partition, run_command
 
@@ -60,18 +59,14 @@ ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"
 
 
 # -- the launcher ---------------------------------------------------------------------------------------
-class SlurmLauncher(OneLineRefusals, SubmititSlurmLauncher):
+class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
     """Hydra's submitit SLURM launcher, with resources that fit, dedup, resume, requeue that
     continues, and a sweep that always ends with a status for every job."""
 
-    def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+    def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
+                initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
 
-        assert self.config is not None and self.hydra_context is not None
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        if not job_overrides:
-            raise no_jobs_error(self.config)
-        lock_sweep_dir(sweep_dir)
         partition = read_partition(self.params.get("partition"))
         fitted: dict[str, Any] = {}
 

@@ -1,57 +1,22 @@
-"""Every mistaken command gets one line on stderr, `attnres-run: error: <what>; <the fix>`,
-exit status 2, no traceback, and nothing written (issue 10, items 2 and 11).
-
-The table of mistaken commands runs the real CLI in a subprocess (slow: each start imports
-Lightning); the checks behind it (attnres/config/) are also tested in-process."""
+"""The command-line checks (`attnres.config.command.check_command_line`, what cli.main runs before
+Hydra): every mistaken command raises one line, `<what>; <the fix>`, and writes nothing (issue 10,
+items 2 and 11); good commands pass. The same table through the real CLI is in tests/test_cli.py;
+the checks of composed configs in test_compose.py, of values in test_rules.py."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
 
 from attnres.config.command import check_command_line
-from attnres.config.compose import suggest
 from attnres.config.errors import ConfigError
-from attnres.config.rules import validate_config
+from tests.helpers import CONF, TINY_CHECKED as TINY
 
-REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
-# as tests/test_cli.py: a model and data small enough that a CLI run costs seconds
-TINY = [
-    "data=synthetic", "data.batch_size=8", "data.val_batches=1", "model.n_layer=2", "model.n_embd=32",
-    "model.n_head=2", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=none",
-    "trainer.max_steps=2",
-]
 CUDA = torch.cuda.is_available()
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`attnres-run ARGS` in a subprocess (via `python -m attnres`, the same entry point), without
-    the TRITON_INTERPRET=1 that tests/conftest.py sets for the kernel tests."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    for name in ("HYDRA_FULL_ERROR", "TRITON_INTERPRET"):
-        if name not in (env or {}):
-            full_env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "attnres", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600
-    )
-
-
-def one_line_error(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("attnres-run: error:")]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 def _read_only_folder(tmp_path: Path) -> str:
@@ -140,18 +105,6 @@ def _command(args: list[str], folder: Path) -> tuple[list[str], str]:
     return [*args[:at], *TINY, *args[at + ("TINY" in args):]], read_only
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("args", "expected"), _rows(THROUGH_CLI))
-def test_mistake_through_cli(tmp_path, args, expected):
-    args, read_only = _command(args, tmp_path)
-    before = set(tmp_path.iterdir())
-    line = one_line_error(run_cli(*args, cwd=tmp_path))
-    for fragment in expected:
-        assert fragment.replace("READ_ONLY", read_only) in line, line
-    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
-    assert set(tmp_path.iterdir()) == before, "the mistaken command wrote something"
-
-
 @pytest.mark.parametrize(("args", "expected"), _rows())
 def test_mistake_in_process(tmp_path, monkeypatch, args, expected):
     """Every row of the table, through `check_command_line` (what cli.main runs before Hydra)."""
@@ -168,20 +121,7 @@ def test_mistake_in_process(tmp_path, monkeypatch, args, expected):
     assert set(tmp_path.iterdir()) == before, "the check wrote something"
 
 
-@pytest.mark.slow
-def test_full_error_keeps_the_trace(tmp_path):
-    result = run_cli(*TINY, "overwrite=no", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
-    assert result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
-    assert not (tmp_path / "outputs").exists()
-
-
 # -- in-process: the same checks, fast ----------------------------------------------------------
-@pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    yield tmp_path
-    assert not any(tmp_path.iterdir()), f"the check wrote {list(tmp_path.iterdir())}"
 
 
 SHAPE_MISTAKES = [
@@ -206,43 +146,6 @@ def test_command_line_shape(in_tmp, args, fragment):
     with pytest.raises(ConfigError) as err:
         check_command_line(args, CONF)
     assert fragment in str(err.value), str(err.value)
-
-
-COMPOSED_MISTAKES = [
-    ("hydra-key", ["hydra.nope=1"], "unknown key hydra.nope"),
-    ("add-existing", ["+seed=3"], "drop the + to change it"),
-    ("delete-missing", ["~nope"], "~nope deletes a key that does not exist"),
-    ("launcher", ["hydra/launcher=nope"], "unknown hydra/launcher 'nope'"),
-    ("leaf-elsewhere", ["batch_size=4"], "did you mean data.batch_size?"),
-    ("config-as-value", ["optim.optimizer=5"], "optim.optimizer is a group of settings"),
-    ("bool-untyped-key", ["callbacks.checkpoint.auto_insert_metric_name=no"], "true or"),
-    ("int-untyped-key", ["callbacks.progress_bar.refresh_rate=abc"], "is not an integer"),
-    ("broken-interpolation", ["model.n_layer=${nope}"], "model.n_layer"),
-    ("fsdp-on-cpu", ["trainer=fsdp"], "trainer.strategy=fsdp needs GPUs"),
-    ("text-without-path", ["data=text"], "data.path is not set"),
-    ("name-escapes", ["name=../x"], "name=../x is not a folder name"),
-    ("resume-and-overwrite", ["resume=true", "overwrite=true"], "contradict"),
-    ("missing-ckpt", ["ckpt_path=/no/such.ckpt"], "ckpt_path=/no/such.ckpt is not a file"),
-    ("schedule", ["optim.schedule.warmup_steps=-1"], "optim.schedule.warmup_steps=-1"),
-    ("betas", ["optim.optimizer.betas=[0.9,2]"], "two numbers in [0, 1)"),
-    ("fast-dev-run", ["debug=fast_dev_run", "trainer.fast_dev_run=maybe"], "a number of batches"),
-    ("cache-dir", ["data=stdlib", "data.cache_dir=/proc/attnres-cache"], "data.cache_dir="),
-    ("sweep-last-job", ["-m", "model.n_embd=32,36", "model.n_head=2,4"], "model.n_embd=36 must split into"),
-    ("sweep-glob-type", ["-m", "residual=glob(*)", "num_blocks=2", "seed=0,x"], "seed=x is not an integer"),
-]
-if not CUDA:
-    COMPOSED_MISTAKES.append(("triton-sweep", ["-m", "residual=standard,full", "residual.kernel=triton"],
-                              "unknown key residual.kernel"))
-
-
-@pytest.mark.parametrize(("args", "fragment"), [m[1:] for m in COMPOSED_MISTAKES],
-                         ids=[m[0] for m in COMPOSED_MISTAKES])
-def test_composed_config(in_tmp, args, fragment):
-    flags = [a for a in args if a.startswith("-")]
-    with pytest.raises(ConfigError) as err:
-        check_command_line([*flags, *TINY, *(a for a in args if not a.startswith("-"))], CONF)
-    assert fragment in str(err.value), str(err.value)
-    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("args", [
@@ -276,81 +179,5 @@ def test_user_config_folder(in_tmp):
 
 
 # -- validate_config on one composed config --------------------------------------------------------
-@pytest.fixture(scope="module")
-def job_cfg():
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, "residual=block", "num_blocks=2"])
-    GlobalHydra.instance().clear()
-    return cfg
 
 
-def _with(cfg, **values):
-    cfg = cfg.copy()
-    OmegaConf.set_struct(cfg, False)
-    for key, value in values.items():
-        OmegaConf.update(cfg, key.replace("__", "."), value, force_add=True)
-    return cfg
-
-
-@pytest.mark.parametrize(("values", "fragment"), [
-    ({"overwrite": "no"}, "overwrite=no is not a boolean"),
-    ({"seed": "foo"}, "seed=foo is not an integer"),
-    ({"seed": 2**32}, "seed=4294967296"),
-    ({"num_blocks": 3}, "num_blocks=3 must divide the 4 sublayers (2 per transformer layer), or give unequal "
-                        "blocks with residual.block_sizes=[...]; valid values: 1, 2, 4"),
-    ({"num_blocks": 2, "residual__block_sizes": [3, 2]}, "residual.block_sizes=[3,2] must be positive integers "
-                                                           "summing to the 4 sublayers"),
-    ({"num_blocks": 3, "residual__block_sizes": [3, 1]}, "num_blocks=3 disagrees with residual.block_sizes"),
-    ({"model__n_embd": 30}, "model.n_embd=30 must split into model.n_head=2"),
-    ({"model__n_head": 32}, "model.n_embd=32 must split into model.n_head=32"),
-    ({"model__dropout": 1.0}, "model.dropout=1.0"),
-    ({"model__mlp": "relu"}, "gelu, swiglu"),
-    ({"residual__kernel": "trit"}, "auto, triton, cpu, torch, naive"),
-    ({"trainer__max_steps": -1}, "optim.total_steps"),
-    ({"trainer__max_steps": 1e3}, "trainer.max_steps=1000.0 is not an integer"),
-    ({"trainer__val_check_interval": 0.5}, "trainer.val_check_interval=0.5 is not an integer"),
-    ({"trainer__precision": "bf17"}, "trainer.precision=bf17 is not a precision"),
-    ({"trainer__devices": 0}, "trainer.devices=0 is invalid"),
-    ({"trainer__devices": -1}, "trainer.devices=-1 is invalid"),
-    ({"trainer__accelerator": "abacus"}, "trainer.accelerator=abacus is not an accelerator"),
-    ({"trainer__strategy": "dpp"}, "did you mean ddp?"),
-    ({"trainer__deterministic": "maybe"}, "trainer.deterministic=true or trainer.deterministic=false or"),
-    ({"optim__optimizer__betas": [0.9]}, "optim.optimizer.betas=[0.9]"),
-    ({"optim__query_lr_scale": -0.1}, "optim.query_lr_scale=-0.1"),
-    ({"data__num_workers": -1}, "data.num_workers=-1"),
-    ({"callbacks__checkpoint__save_last": "always"}, "or callbacks.checkpoint.save_last=link"),
-    ({"name": ""}, "name='' is not a folder name"),
-    ({"name": "/abs"}, "name=/abs is not a folder name"),
-], ids=lambda v: repr(v) if isinstance(v, dict) else None)
-def test_validate_config_rejects(job_cfg, values, fragment):
-    with pytest.raises(ConfigError) as err:
-        validate_config(_with(job_cfg, **values))
-    assert fragment in str(err.value), str(err.value)
-
-
-@pytest.mark.parametrize("values", [
-    {}, {"trainer__deterministic": "warn"}, {"trainer__devices": "auto"}, {"trainer__devices": "2"},
-    {"callbacks__checkpoint__save_last": "link"}, {"trainer__fast_dev_run": True}, {"trainer__fast_dev_run": 3},
-    {"trainer__max_steps": -1, "optim__total_steps": 10}, {"trainer__gradient_clip_val": None},
-    {"name": "study/part-1"}, {"model___target_": "my.Model", "model__n_embd": "wide"},
-    {"optim__optimizer___target_": "my.Optimizer", "optim__optimizer__lr": "cyclic"},
-], ids=lambda v: repr(v))
-def test_validate_config_accepts(job_cfg, values):
-    validate_config(_with(job_cfg, **values))
-
-
-def test_validate_config_needs_no_hydra_node():
-    validate_config(OmegaConf.create({"seed": 1, "model": {"_target_": "attnres.Transformer", "n_layer": 2}}))
-    with pytest.raises(ConfigError, match="compile=yes is not a boolean"):
-        validate_config(OmegaConf.create({"compile": "yes"}))
-
-
-def test_suggest():
-    keys = ["seed", "num_blocks", "model.n_layer", "trainer.max_steps", "optim.optimizer.lr", "data.batch_size",
-            "model.block_size", "data.block_size"]
-    assert suggest("model.n_layers", keys) == ["model.n_layer"]
-    assert suggest("lr", keys) == ["optim.optimizer.lr"]
-    assert suggest("block_size", keys) == ["model.block_size", "data.block_size"]
-    assert suggest("trainer.max_stepz", keys) == ["trainer.max_steps"]
-    assert suggest("completely_else", keys) == []

@@ -59,31 +59,3 @@ def test_run_log_holds_the_error_of_a_failed_run(tmp_path):
     assert "run folder:" in log and "non-finite loss at step 2" in log
 
 
-@pytest.mark.slow
-def test_refused_command_leaves_no_folder(tmp_path):
-    garbage = tmp_path / "garbage.ckpt"
-    garbage.write_bytes(b"not a checkpoint")
-    result = run(*TINY, f"ckpt_path={garbage}", cwd=tmp_path)
-    assert result.returncode == 2 and "corrupt" in result.stderr, result.stderr[-2000:]
-    assert not (tmp_path / "outputs").exists(), list((tmp_path / "outputs").rglob("*"))
-
-
-def test_help_lists_every_group_without_importing_lightning(tmp_path):
-    result = run("--help", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    groups = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "hydra")
-    for group in [*groups, "hydra/launcher"]:
-        options = sorted(f.stem for f in (REPO / "conf" / group).glob("*.yaml"))
-        line = next((line for line in result.stdout.splitlines() if line.strip().startswith(group + " ")), None)
-        assert line is not None, f"--help does not list {group}"
-        assert all(o in result.stdout for o in options), (group, options)
-    for key in ("seed", "num_blocks", "keep_freed_memory", "resume", "overwrite", "nonfinite"):
-        assert re.search(rf"^  {key} ", result.stdout, re.M), key
-    keys = result.stdout.split("top-level keys (key=value):\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    columns = {len(line) - len(line[2:].split(" ", 1)[1].lstrip()) for line in keys if " " in line[2:]}
-    assert len(columns) == 1, keys  # the descriptions start in one column, however long a key
-    probe = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['attnres-run', '--help'];"
-                            "from attnres._entry import main; main();"
-                            "print('LIGHTNING' if 'pytorch_lightning' in sys.modules else 'light')"],
-                           capture_output=True, text=True, cwd=tmp_path)
-    assert probe.stdout.strip().endswith("light"), probe.stdout[-500:]
