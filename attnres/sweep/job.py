@@ -39,13 +39,14 @@ from attnres.sweep.slots import (
 
 log = logging.getLogger(__name__)
 
-#: how a job's own process starts (`job_process`), with the spec its worker wrote as argument
-JOB_PROCESS = "from attnres.sweep.job import job_process; job_process()"
+#: how a job's own process starts (`job_process`), with the spec its worker wrote as argument; as a
+#: module, so that Lightning's DDP launcher starts the job's other ranks the same way
+JOB_PROCESS = [sys.executable, "-m", "attnres.sweep.job"]
 
 
 def job_process() -> None:
-    """The start of a sweep job's own process (`python -c JOB_PROCESS SPEC`): it gets SIGTERM when
-    its worker dies, then trains the job its spec describes and exits with its status."""
+    """A sweep job's own process (`python -m attnres.sweep.job SPEC`): it gets SIGTERM when its
+    worker dies, then trains the job its spec describes and exits with its status."""
     die_with_parent(signal.SIGTERM)
     if slurm_job.in_slurm_job():  # SLURM's warning before a preemption or its time limit: checkpoint and exit
         slurm_job.forward_preemption()
@@ -135,7 +136,7 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
         with open(run_dir / "train.log", "ab") as out:
             with deaf:
                 proc = subprocess.Popen(
-                    [sys.executable, "-c", JOB_PROCESS, str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
+                    [*JOB_PROCESS, str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
                     env=env, pass_fds=(slots.claimed[1],) if slot is not None and slots.claimed else (),
                 )
             slots.current_job = proc
@@ -174,3 +175,7 @@ def _record_end(proc: subprocess.Popen, run_dir: Path, job_info: dict[str, Any],
     else:
         return
     write_json(run_dir / "metrics.json", {**record, "slot": job_info["slot"], "wall_time_s": round(wall_time_s, 3)})
+
+
+if __name__ == "__main__":
+    job_process()
