@@ -10,7 +10,7 @@
    16 x 1024, gpt-small's) in batches/s, against the model's optimiser steps/s at the same batch:
    the tiny model on this CPU, and gpt-small on a GPU when there is one. The loader must be faster
    than the step it feeds (ratio > 1) with `num_workers=0`; DataLoader workers multiply it.
-No assertions: numbers to read (tests/test_tokens.py and tests/test_prepare.py hold the checks).
+No assertions: numbers to read (tests/training/data/test_tokens.py and test_prepare.py hold the checks).
 """
 
 from __future__ import annotations

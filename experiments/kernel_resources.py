@@ -191,6 +191,8 @@ def issue_bound(name: str, kw: dict, sass: str, n: int, d: int, elem_bytes: int)
     total, inner, outer = loop_sizes(sass)
     if name == "_inv_rms_kernel" or not inner:
         return None
+    if name != "_fwd_kernel" and not outer:  # the loop over token blocks was not found (seen at D 64): no
+        return None                          # count, rather than one without the backward's loop body
     k, prefix = kw["K"], int(kw["HAS_PREFIX"])
     if name == "_fwd_kernel":  # per program: read n sources (+ the prefix), write K outputs
         instr = total - sum(inner) + n * sum(inner)

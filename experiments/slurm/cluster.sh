@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A single-node SLURM cluster on this machine, for the `slurm` tests (tests/test_slurm.py) and for
+# A single-node SLURM cluster on this machine, for the `slurm` tests (tests/sweep/test_slurm.py) and for
 # trying `attnres-run -m hydra/launcher=slurm` without a real cluster. Debian/Ubuntu, as root, no
 # systemd needed: the daemons are started by hand and stopped by their PIDs.
 #
