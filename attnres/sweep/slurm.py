@@ -101,7 +101,7 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
         except Exception as err:  # sbatch refused the array: its own words, on one line
             words = " ".join(str(err).split())
             raise ConfigError(f"sbatch refused the sweep's jobs: {words[-300:]}; check the hydra.launcher.* "
-                              "keys (README: Sweeps, SLURM)") from err
+                              "keys (docs/sweeps.md, SLURM)") from err
         try:
             return wait_for_jobs(jobs, [c for _, c in planned], sweep_dir, poll_s)
         except KeyboardInterrupt:  # the jobs are the cluster's now: say how to follow them

@@ -143,7 +143,7 @@ def end_nonfinite(err: BaseException, trainer: pl.Trainer, module: Any, run_dir:
         write_summary(run_dir, trainer, module, elapsed_s, {**info, "error": str(err), "last_checkpoint": where},
                       status="failed")
     return RunEnded(f"error: {err}; the last good checkpoint is {where}; "
-                    "see nonfinite.policy (stop, skip, rollback) in README", 1)
+                    "see nonfinite.policy (stop, skip, rollback) in docs/runs.md", 1)
 
 
 @contextlib.contextmanager

@@ -89,7 +89,7 @@ class RoutingProbes(pl.Callback):
     """Source and layer knock-outs (`attnres.probes`) at the end of training (module docstring).
 
     enabled: off by default (a cost: about 42 forward passes of each batch for the default
-    Block AttnRes model, 11 for the standard residual; README "Routing probes"). batches:
+    Block AttnRes model, 11 for the standard residual; docs/dashboards.md, "Routing probes"). batches:
     validation batches in the evaluation set. mode: "remove" (renormalise over the other
     sources) or "mean" (replace the source by its mean over tokens). sources / layers: which
     knock-outs. max_stack: at most this many copies of a batch in one pass (memory grows with

@@ -84,7 +84,7 @@ def scalars_layout(metric: str | None) -> Any:
 
 
 class TensorBoardLogger(LightningTensorBoardLogger):
-    """Lightning's TensorBoardLogger, for the dashboards of README "Dashboards":
+    """Lightning's TensorBoardLogger, for the dashboards of docs/dashboards.md:
 
     - metrics logged as `train/*` and `val/*` are written as `Train/*` and `Val/*`
       (`tensorboard_tag`), so TensorBoard lists the losses first (it sorts tag groups by name);
