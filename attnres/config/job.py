@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from attnres.config import naming  # noqa: F401  (registers the resolver that hydra.run.dir uses)
+from attnres.config.computation import computation, recorded_computation, refuse_other_computation
 from attnres.config.errors import ConfigError
 from attnres.config.rules import ABSENT, target_of, validate_config, value_at
 
@@ -108,7 +109,19 @@ def check_job(cfg: DictConfig, multirun: bool, check_folder: bool = True) -> Pat
     with hydra_config(cfg, run_dir):
         resolve_job(cfg)
         check_parts(cfg)
+        check_continued_computation(cfg, run_dir)
     return run_dir
+
+
+def check_continued_computation(cfg: DictConfig, run_dir: Path) -> None:
+    """A resume (`resume=true` on a folder with `last.ckpt`) or a `ckpt_path` continues only under
+    the config its checkpoint was trained with (`computation.py`); checked before Hydra writes
+    anything, so that a refused resume leaves the run's `.hydra/` as it was."""
+    ckpt = value_at(cfg, "ckpt_path")
+    if not isinstance(ckpt, str) or not ckpt:
+        ckpt = str(run_dir / "checkpoints" / "last.ckpt") if value_at(cfg, "resume") is True else None
+    if ckpt and Path(ckpt).is_file() and value_at(cfg, "mode") in ("train", ABSENT):
+        refuse_other_computation(ckpt, recorded_computation(ckpt), computation(cfg))
 
 
 def output_folder(cfg: DictConfig, multirun: bool, check_parent: bool = True) -> Path:

@@ -86,14 +86,20 @@ def check_checkpoint(path: str, module: pl.LightningModule) -> None:
             )
 
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """The optimiser step a checkpoint was written at, or None when it cannot be read."""
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("global_step")
+    except Exception:  # unreadable: `check_checkpoint` says so in one line
+        return None
+    return int(step) if isinstance(step, int) else None
+
+
 def describe_checkpoint(path: Path) -> str:
     """`path (step N)` for the checkpoint a user can go back to, or a note that there is none."""
     if not path.is_file():
         return "no checkpoint yet"
-    try:
-        step = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("global_step")
-    except Exception:  # unreadable: say where it is all the same
-        step = None
+    step = checkpoint_step(path)
     return f"{path} (step {step})" if step is not None else str(path)
 
 

@@ -167,6 +167,7 @@ class LitLanguageModel(pl.LightningModule):
         # kept out of the module tree so checkpoints hold one copy of the weights under `model.`
         self.__dict__["forward_fn"] = torch.compile(model) if compile else model
         self.tokens_seen = 0  # over the whole run, restored on resume
+        self.run_config: dict[str, Any] | None = None  # what the run computes, recorded in checkpoints
         self.session_tokens, self.session_train_s = 0, 0.0  # this process only: for throughput
         self._step_start: float | None = None
         self._val_sums: dict[str, float] = {}
@@ -380,6 +381,8 @@ class LitLanguageModel(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["attnres"] = {"tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                                  "rollbacks": self.rollbacks, "rng": rng_states()}
+        if self.run_config is not None:  # what this run computes (attnres.config.computation)
+            checkpoint["attnres"]["config"] = self.run_config
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("attnres", {})

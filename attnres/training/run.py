@@ -18,10 +18,12 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from attnres.atomic import read_json
 from attnres.config import naming  # noqa: F401  (registers the run-folder resolver)
+from attnres.config.computation import computation, recorded_computation, refuse_other_computation
 from attnres.config.moved import update_moved_targets
 from attnres.config.rules import validate_config
-from attnres.training.checkpoints import AtomicCheckpointIO, check_checkpoint, resume_checkpoint
+from attnres.training.checkpoints import AtomicCheckpointIO, check_checkpoint, checkpoint_step, resume_checkpoint
 from attnres.training.devices import keep_freed_memory, resolve_precision
 from attnres.training.evaluate import run_mode
 from attnres.training.faults import GracefulStop, Interrupted, NonFiniteLoss, RunLock, clean_stale_tmp, stop_signals
@@ -49,6 +51,20 @@ logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: n
 
 
 
+def finished_already(run_dir: Path, ckpt: str, max_steps: Any) -> dict | None:
+    """`resume=true` on a run that finished at its `max_steps`: nothing to train, and its checkpoint
+    and metrics.json stay as they are (a resume would rewrite them without the training figures).
+    Returns its metrics after saying so; None when there is more to train."""
+    summary = read_json(run_dir / "metrics.json")
+    step = checkpoint_step(ckpt)
+    if summary.get("status") != "finished" or not isinstance(max_steps, int) or max_steps < 1 or step is None \
+            or step < max_steps:
+        return None
+    report(f"{run_dir} holds a finished run (step {step} of {max_steps}): nothing to do; its metrics are in "
+           f"{run_dir / 'metrics.json'} (a larger trainer.max_steps continues it)")
+    return summary
+
+
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
     with read_write(cfg):
@@ -63,6 +79,10 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     with RunLock(run_dir), stop_signals(GracefulStop(last)) as stop:
         clean_stale_tmp(run_dir)
         ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
+        if ckpt and cfg.resume and not cfg.ckpt_path:
+            done = finished_already(run_dir, ckpt, cfg.trainer.get("max_steps"))
+            if done is not None:
+                return done
         log.info(f"run folder: {run_dir}" + (f" (resuming from {ckpt})" if ckpt else ""))
         log.info(config_summary(cfg, info))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -81,8 +101,12 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
             nonfinite=OmegaConf.to_container(cfg.nonfinite),
             rollback_checkpoint=last,
         )
+        module.run_config = computation(cfg)
         if ckpt:
             check_checkpoint(ckpt, module)
+            # Hydra has rewritten this run's .hydra/ by now: only another run's folder still tells
+            elsewhere = Path(ckpt).resolve().parent.parent != run_dir.resolve()
+            refuse_other_computation(ckpt, recorded_computation(ckpt, run_config=elsewhere), module.run_config)
         loggers = [instantiate(c) for c in cfg.logger.values()]
         callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [stop]
         if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show

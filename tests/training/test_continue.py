@@ -1,0 +1,99 @@
+"""A run continues only as the run it is (issue "Trust, round two", items 1, 4 and 5): `resume=true`
+or `ckpt_path=` under a config that computes something else is one line naming the keys, exit 2,
+and the run's folder is left as it was; `resume=true` on a finished run changes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from attnres.config.computation import computation, differences, refuse_other_computation
+from attnres.config.errors import ConfigError
+from tests.helpers import metrics, one_line_error, run_cli, tiny
+
+RUN = tiny("residual=block", "num_blocks=2", steps=4, val_every=2, progress_bar=False)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("continue")
+    result = run_cli(*RUN, "hydra.run.dir=R", cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def _copy(finished: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(finished / "R", tmp_path / "R")
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("change", "named"), [
+    ("residual=full", "residual._target_ (attnres.BlockAttentionResidual there, attnres.FullAttentionResidual here)"),
+    ("num_blocks=1", "residual.num_blocks (2 there, 1 here)"),
+    ("model.dropout=0.1", "model.dropout (0.0 there, 0.1 here)"),
+    ("seed=1", "seed (0 there, 1 here)"),
+    ("optim.optimizer.lr=0.01", "optim.optimizer.lr (0.003 there, 0.01 here)"),
+], ids=["strategy", "num_blocks", "dropout", "seed", "lr"])
+def test_resume_under_another_computation_is_refused_and_touches_nothing(finished, tmp_path, change, named):
+    root = _copy(finished, tmp_path)
+    before = {p.relative_to(root): _digest(p) for p in (root / "R").rglob("*") if p.is_file()}
+    result = run_cli(*RUN, change, "hydra.run.dir=R", "resume=true", cwd=root)
+    line = one_line_error(result)
+    assert "was trained with another config" in line and named in line, line
+    after = {p.relative_to(root): _digest(p) for p in (root / "R").rglob("*") if p.is_file()}
+    assert after == before, "a refused resume changed the run's folder"
+
+
+@pytest.mark.slow
+def test_ckpt_path_under_another_strategy_is_refused(finished, tmp_path):
+    ckpt = finished / "R" / "checkpoints" / "last.ckpt"
+    result = run_cli(*RUN, "residual=full", f"ckpt_path={ckpt}", "hydra.run.dir=other", cwd=tmp_path)
+    assert "residual._target_" in one_line_error(result)
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow
+def test_what_does_not_change_the_numbers_may_differ(finished, tmp_path):
+    root = _copy(finished, tmp_path)
+    result = run_cli(*RUN, "trainer.max_steps=6", "residual.kernel=torch", "trainer.log_every_n_steps=1",
+                     "hydra.run.dir=R", "resume=true", cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert metrics(root / "R")["steps"] == 6
+
+
+@pytest.mark.slow
+def test_resume_on_a_finished_run_changes_nothing(finished, tmp_path):
+    root = _copy(finished, tmp_path)
+    run = root / "R"
+    kept = {name: _digest(run / name) for name in ("checkpoints/last.ckpt", "metrics.json")}
+    result = run_cli(*RUN, "hydra.run.dir=R", "resume=true", cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "holds a finished run (step 4 of 4): nothing to do" in result.stdout
+    assert {name: _digest(run / name) for name in kept} == kept
+    assert "train/loss" in metrics(run)["metrics"]
+
+
+def test_the_comparison_ignores_what_does_not_compute():
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.create({"seed": 0, "model": {"n_layer": 2, "dropout": 0.0}, "residual": {"kernel": "auto"},
+                             "data": {"num_workers": 0, "batch_size": 4}, "optim": {"optimizer": {"lr": 1e-3}},
+                             "trainer": {"max_steps": 10, "precision": "32-true", "enable_progress_bar": True}})
+    other = base.copy()
+    other.residual.kernel, other.data.num_workers, other.trainer.max_steps = "torch", 2, 99
+    other.trainer.enable_progress_bar, other.optim.optimizer.lr = False, 0.001  # 1e-3 written otherwise
+    assert differences(computation(base), computation(other)) == []
+    other.model.n_layer = 4
+    assert differences(computation(base), computation(other)) == ["model.n_layer"]
+    with pytest.raises(ConfigError, match=r"model\.n_layer \(2 there, 4 here\)"):
+        refuse_other_computation("x.ckpt", computation(base), computation(other))
+    refuse_other_computation("x.ckpt", None, computation(other))  # nothing recorded: nothing to hold it to
