@@ -59,12 +59,17 @@ def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwr
     return None
 
 
-def check_checkpoint(path: str, module: pl.LightningModule) -> None:
-    """Fail early, in one line, on a checkpoint that is unreadable or for another model."""
+def load_checkpoint(path: str | Path) -> Any:
+    """The checkpoint at `path`, or one line (ConfigError) when it is truncated, empty or not one."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # any failure to unpickle means the same thing to the user
         raise ConfigError(f"checkpoint {path} is corrupt or not a checkpoint ({type(err).__name__}: {err})") from err
+
+
+def check_checkpoint(path: str, module: pl.LightningModule) -> None:
+    """Fail early, in one line, on a checkpoint that is unreadable or for another model."""
+    ckpt = load_checkpoint(path)
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
     if state is None:
         raise ConfigError(f"checkpoint {path} has no 'state_dict'; it was not written by attnres-run")

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attnres.atomic import write_json
 from attnres.config.errors import ConfigError
-from attnres.training.checkpoints import check_checkpoint
+from attnres.training.checkpoints import check_checkpoint, load_checkpoint
 from attnres.training.devices import resolve_precision
 from attnres.training.lit import LitLanguageModel
 from attnres.training.report import report
@@ -59,7 +59,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Path]:
         log.info(f"model and residual strategy from {ckpt.parent.parent / '.hydra' / 'config.yaml'}")
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = load_checkpoint(ckpt)
     embed = (state.get("state_dict") or {}).get("model.embed.weight") if isinstance(state, dict) else None
     if embed is not None and embed.shape[0] != datamodule.vocab_size:
         raise ConfigError(f"checkpoint {ckpt} has a vocabulary of {embed.shape[0]} tokens but the data has "
