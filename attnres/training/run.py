@@ -44,6 +44,9 @@ log = logging.getLogger("attnres")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 # a step skipped by nonfinite.policy=skip|rollback returns None on purpose (and says so in the log)
 warnings.filterwarnings("ignore", message=r".*`training_step` returned `None`")
+# where SLURM is installed Lightning advises running every process under `srun`; attnres's SLURM
+# launcher places its jobs itself (attnres.sweep.slurm), so the advice is wrong for its runs
+warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system")
 # Lightning's start and stop lines ("GPU available: ...", "`Trainer.fit` stopped: ...") say nothing
 # the run's own start and end lines do not say better
 _QUIET = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.fit` stopped")

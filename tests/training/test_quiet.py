@@ -1,0 +1,28 @@
+"""What a run prints is the run's own: Lightning's advice to run every process under `srun`, given
+wherever SLURM is installed, is wrong for attnres (its SLURM launcher places its own jobs) and is
+not shown (issue "Trust, round two", item 11)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from tests.helpers import TINY, run_cli
+
+
+@pytest.mark.slow
+def test_no_srun_advice_where_slurm_is_installed(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"  # what Lightning looks for on PATH
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        env[key] = ""  # not inside a SLURM job
+    result = run_cli(*TINY, "trainer.max_steps=2", "trainer.val_check_interval=2", "hydra.run.dir=r", cwd=tmp_path,
+                     env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "The `srun` command is available" not in result.stdout + result.stderr
