@@ -154,7 +154,7 @@ def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
     try:
         yield
     except RunEnded as err:
-        log.error(str(err))
+        file_log().error(str(err))  # the terminal gets it once, on stderr
         print(f"attnres-run: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except OSError as err:

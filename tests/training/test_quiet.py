@@ -26,3 +26,17 @@ def test_no_srun_advice_where_slurm_is_installed(tmp_path):
                      env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "The `srun` command is available" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_how_a_run_ended_is_said_once(tmp_path):
+    """The closing line of a run that stopped on purpose goes to stderr once (and to attnres.log),
+    not also through the terminal's log handler (SIGTERM's message was printed twice)."""
+    from tests.helpers import faultinject_env
+
+    result = run_cli(*TINY, "trainer.max_steps=5", "hydra.run.dir=run", "+callbacks.fault._target_=faultinject.NaNAt",
+                     "+callbacks.fault.step=2", cwd=tmp_path, env=faultinject_env())
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = (result.stdout + result.stderr).count("non-finite loss at step 2;")
+    assert said == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "non-finite loss at step 2" in (tmp_path / "run/attnres.log").read_text()
