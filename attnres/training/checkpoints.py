@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from attnres.atomic import atomic_write, read_json
+from attnres.atomic import atomic_write, read_json, write_json
 from attnres.config.errors import ConfigError
 from attnres.training.faults import RunRefused, clear_previous_run
 
@@ -60,7 +62,9 @@ def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwr
 
 
 def load_checkpoint(path: str | Path) -> Any:
-    """The checkpoint at `path`, or one line (ConfigError) when it is truncated, empty or not one."""
+    """The checkpoint at `path`, or one line (ConfigError) when it is truncated, empty, damaged (its
+    SHA-256 record disagrees) or not a checkpoint."""
+    verify_checkpoint(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # any failure to unpickle means the same thing to the user
@@ -108,10 +112,69 @@ def describe_checkpoint(path: Path) -> str:
     return f"{path} (step {step})" if step is not None else str(path)
 
 
+#: beside each checkpoint `x.ckpt`, `x.ckpt.sha256` holds the SHA-256 of its bytes (JSON: a list,
+#: the newest first; while a new version replaces the old one it lists both, so a kill at any
+#: moment leaves a record that matches the file in place)
+DIGEST_SUFFIX = ".sha256"
+CHUNK = 1 << 22
+
+
+def digest_path(path: str | Path) -> Path:
+    return Path(f"{path}{DIGEST_SUFFIX}")
+
+
+def file_digest(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return _digest_of(f)
+
+
+def _digest_of(f: Any) -> str:
+    """SHA-256 of everything in the open file `f`, read back by position (its own offset untouched)."""
+    digest, offset, fd = hashlib.sha256(), 0, f.fileno()
+    while block := os.pread(fd, CHUNK, offset):
+        digest.update(block)
+        offset += len(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise ConfigError, naming the file, when a checkpoint's bytes are not the ones written (its
+    `.sha256` record disagrees); a checkpoint without a record (written elsewhere, or before
+    attnres kept one) passes."""
+    record = read_json(digest_path(path)) if digest_path(path).is_file() else None
+    if not record:
+        return
+    if file_digest(path) not in record.get("sha256", []):
+        raise ConfigError(f"checkpoint {path} is damaged: its bytes differ from the SHA-256 written with it "
+                          f"({digest_path(path).name}); use another checkpoint (best.ckpt, or ckpt_path=...), or "
+                          "start again with overwrite=true")
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning checkpoint IO that never leaves a truncated checkpoint behind."""
+    """Lightning checkpoint IO that never leaves a truncated checkpoint behind, and writes the
+    SHA-256 of each checkpoint beside it (`verify_checkpoint` holds a loaded one against it)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO takes no storage_options")
-        atomic_write(path, lambda f: torch.save(checkpoint, f))
+        record = digest_path(path)
+        previous = read_json(record).get("sha256", [])[:1] if record.is_file() else []
+        written: list[str] = []
+
+        def write(f: Any) -> None:
+            try:
+                torch.save(checkpoint, f)
+            except RuntimeError as err:  # torch words a failed write of the file under it (a full disk)
+                if isinstance(err.__context__, OSError):  # as a RuntimeError: the OSError says what happened
+                    raise err.__context__ from err
+                raise
+            f.flush()
+            written.append(_digest_of(f))
+            write_json(record, {"sha256": [*written, *previous]})  # before the new file takes its place
+
+        atomic_write(path, write)
+        write_json(record, {"sha256": written})
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        digest_path(path).unlink(missing_ok=True)
