@@ -154,6 +154,7 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
             slots.slot_info.update(child=None, child_start=None, run_dir=None)
             with contextlib.suppress(OSError):
                 write_lock(slots.claimed[1], slots.slot_info)
+            slots.release_slot()  # per job: a worker between jobs holds no slot another sweep waits for
         slots.recorded.set()
     log.info(f"{name}: {read_status(run_dir) or 'no status'} on {where} after {end - start:.0f} s")
 

@@ -1,9 +1,11 @@
 """Device slots, the locks that claim them, and the processes that hold them.
 
 With G visible GPUs there are `jobs_per_gpu * G` slots, one joblib worker each; without GPUs,
-`cpu_jobs` slots that split the cores between them. A worker claims a free slot with an
-exclusive `flock` on a file in `lock_dir` before anything touches CUDA, and holds it for its
-whole life, so no two live processes share a slot and a slot frees itself when its holder dies.
+`cpu_jobs` slots that split the cores between them. For each job a worker claims a free slot
+with an exclusive `flock` on a file in `lock_dir`, before the job's process starts (so before
+anything touches CUDA), and frees it when the job has ended: no two live processes share a slot,
+a slot frees itself when its holder dies, and a worker between jobs holds none, so sweeps that
+share the slots all finish.
 A slot lock records the sweep, worker and job processes; a lock whose sweep has died is stale:
 its holders are stopped, so a resumed sweep never waits on a dead sweep's lock. A worker
 watches the sweep process and, if it dies (even by SIGKILL), stops its job and exits.
@@ -205,7 +207,7 @@ def reap_stale_slots(lock_dir: Path, grace_s: float, wait_s: float) -> None:
         time.sleep(0.2)
 
 
-# -- slot claiming (in each joblib worker, held for the worker's life) ---------------------------
+# -- slot claiming (in each joblib worker, held for one job) ------------------------------------
 claimed: tuple[Slot, int] | None = None
 slot_info: dict[str, Any] = {}
 
@@ -218,7 +220,9 @@ def _sweep_of_worker() -> dict[str, Any]:
 
 
 def claim_slot(lock_dir: Path, poll_s: float = 0.5) -> tuple[Slot, int]:
-    """Lock a free slot of the launcher's plan for this process; returns (slot, lock fd)."""
+    """Lock a free slot of the launcher's plan for this process, for one job (`release_slot` frees
+    it when the job has ended: a worker with no job left must not hold a slot that another sweep's
+    worker waits for); returns (slot, lock fd)."""
     global claimed
     if claimed is not None:
         return claimed
@@ -248,6 +252,15 @@ def claim_slot(lock_dir: Path, poll_s: float = 0.5) -> tuple[Slot, int]:
             waiting_since = time.monotonic()
             log.info(f"all {len(slots)} slots in {lock_dir} are held by live processes; waiting for one")
         time.sleep(poll_s)
+
+
+def release_slot() -> None:
+    """Free the slot this worker claimed (its job process has ended, and with it the lock it shared)."""
+    global claimed
+    if claimed is not None:
+        with contextlib.suppress(OSError):
+            os.close(claimed[1])
+        claimed = None
 
 
 def default_lock_dir() -> Path:
