@@ -124,3 +124,9 @@ def shared_sweep(tmp_path_factory) -> helpers.Ran:
     sweep = helpers.Ran(root / "sweep", **ran)
     assert sweep.returncode == 0, sweep.stderr[-4000:]
     return sweep
+
+
+@pytest.fixture(scope="session")
+def strategy_events(strategy_runs) -> dict:
+    """Each shared run's TensorBoard events, read back with TensorBoard's own reader."""
+    return {name: helpers.event_accumulator(ran.dir) for name, ran in strategy_runs.items()}

@@ -1,6 +1,7 @@
 """Faults injected into a real `attnres-run` process at chosen moments, as Lightning callbacks
 named on the command line (`+callbacks.fault._target_=faultinject.KillAt ...`, with this folder
-on PYTHONPATH). Used by tests/test_faults.py; nothing here is part of the package."""
+on PYTHONPATH: tests/helpers.py `faultinject_env`). Used by tests/training/test_faults.py and
+test_report.py; nothing here is part of the package."""
 
 from __future__ import annotations
 

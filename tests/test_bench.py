@@ -12,13 +12,12 @@ import torch
 from torch import nn
 
 from attnres.functional import resolve_kernel
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 def _script(name: str):
     """experiments/<name>.py as a module (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -50,6 +50,20 @@ def test_help_lists_every_group_without_importing_lightning(tmp_path):
     assert probe.stdout.strip().endswith("light"), probe.stdout[-500:]
 
 
+def test_python_dash_m_attnres_is_attnres_run(monkeypatch, capsys):
+    """`python -m attnres` (attnres/__main__.py) runs the entry point (attnres/_entry.py), in-process."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["attnres-run", "--help"])
+    monkeypatch.delitem(sys.modules, "attnres.__main__", raising=False)
+    try:
+        runpy.run_module("attnres", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:  # --help may end the process as argparse does
+        assert stop.code in (0, None)
+    out = capsys.readouterr().out
+    assert "top-level keys (key=value):" in out and "residual" in out
+
+
 # -- the real CLI ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_every_strategy_trains_through_the_cli(strategy_runs):

@@ -45,6 +45,34 @@ KERNEL_PARAMS = [
 ]
 
 
+def _as_param(value, id_fn=str):
+    return value if isinstance(value, type(pytest.param(None))) else pytest.param(value, id=id_fn(value))
+
+
+def grid_params(axes, skip):
+    """The cartesian product of `axes` (lists of values or pytest.param, the innermost first), as one
+    parametrize: ids joined innermost first, as stacked decorators name them, marks merged, and the
+    combinations for which skip(*values) is true left out."""
+    import itertools
+
+    params = []
+    for combo in itertools.product(*[[_as_param(v) for v in axis] for axis in axes]):
+        values = tuple(v for p in combo for v in p.values)
+        if skip(*values):
+            continue
+        ids = (p.id if p.id is not None else "-".join(map(str, p.values)) for p in combo)
+        params.append(pytest.param(*values, id="-".join(ids), marks=[m for p in combo for m in p.marks]))
+    return params
+
+
+def triton_full_list(*values) -> bool:
+    """Triton's "full-list" on contiguous sources: `full_attn_res` unbinds a stacked tensor into a list of
+    views and makes the same `depth_attention` call, so on contiguous sources "full-tensor" hands the
+    kernel the same inputs; Triton runs it there only (the CPU paths keep every case, and a permuted
+    layout, where the stack is a contiguous copy of strided sources, keeps both)."""
+    return "triton" in values and "full-list" in values and "permuted" not in values
+
+
 def case_id(S, B, T, D, contiguous, dtype) -> str:
     return f"S{S}-B{B}-T{T}-D{D}-{DTYPE_NAMES[dtype]}" + ("" if contiguous else "-noncontig")
 
@@ -266,9 +294,9 @@ def leading_shape_leaf(lead, D, layout, gen, scale):
     return leaf, lambda x: x.permute(order)[..., ::2]
 
 
-@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
-@pytest.mark.parametrize("op", ["full-tensor", "full-list", "block"])
-@pytest.mark.parametrize("lead,D,layout", LEADING_SHAPES)
+@pytest.mark.parametrize("lead,D,layout,op,kernel",
+                         grid_params([LEADING_SHAPES, ["full-tensor", "full-list", "block"], KERNEL_PARAMS],
+                                     triton_full_list))
 def test_any_leading_shape(lead, D, layout, op, kernel, rel_err, ref_depth_attention):
     """Sources (..., D) of any leading shape: forward and every gradient against the float64
     reference, and the same numbers as the op on the sources flattened to (1, M, D)."""
@@ -345,11 +373,13 @@ def onorm_params():
     return params
 
 
-@pytest.mark.parametrize("op", ["depth_attention", "block", "full-tensor", "full-list"])
-@pytest.mark.parametrize(
-    "S,lead,D", [(1, (2, 3), 8), (4, (2, 3), 24), (3, (5,), 97)], ids=["S1-B2-T3-D8", "S4-B2-T3-D24", "S3-T5-D97"]
-)
-@pytest.mark.parametrize("kernel,dtype", onorm_params())
+ONORM_SHAPES = [pytest.param(1, (2, 3), 8, id="S1-B2-T3-D8"), pytest.param(4, (2, 3), 24, id="S4-B2-T3-D24"),
+                pytest.param(3, (5,), 97, id="S3-T5-D97")]
+
+
+@pytest.mark.parametrize("kernel,dtype,S,lead,D,op",
+                         grid_params([onorm_params(), ONORM_SHAPES, ["depth_attention", "block", "full-tensor",
+                                                                    "full-list"]], triton_full_list))
 def test_output_norm_is_the_op_then_rms_norm(kernel, dtype, S, lead, D, op, rel_err, ref_depth_attention):
     """RMSNorm(h) * weight in place of h: forward and every gradient (sources, query, key gain,
     the norm's weight) against the float64 op followed by a float64 RMSNorm, on every kernel."""
@@ -450,9 +480,10 @@ def test_dtype_device_no_mutation_and_weights_sum_to_one(op, dtype):
     assert (w >= 0).all()
 
 
-@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=DTYPE_NAMES.get)
-@pytest.mark.parametrize("op", ["full-tensor", "full-list", "block", "depth_attention"])
+@pytest.mark.parametrize("op,dtype,kernel", grid_params(
+    [["full-tensor", "full-list", "block", "depth_attention"],
+     [pytest.param(dt, id=DTYPE_NAMES[dt]) for dt in (torch.bfloat16, torch.float16, torch.float32)], KERNEL_PARAMS],
+    triton_full_list))
 def test_both_results_keep_the_input_dtype(op, dtype, kernel, rounded_once, ref_depth_attention):
     """The representation and the weights come back in the input dtype on every kernel, the
     weights being float32 statistics rounded once; gradients reach the inputs in their dtypes."""

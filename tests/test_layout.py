@@ -65,8 +65,10 @@ def test_no_module_is_over_about_400_lines(path):
     assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concern"
 
 
-@pytest.mark.parametrize("folder", sorted(p.parent for p in PACKAGE.rglob("__init__.py") if "__pycache__" not in p.parts),
-                         ids=lambda p: p.relative_to(ROOT).as_posix())
+FOLDERS = sorted(p.parent for p in PACKAGE.rglob("__init__.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_folder_says_what_lives_there(folder):
     doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
     assert doc, f"{folder.relative_to(ROOT)}/__init__.py has no docstring"

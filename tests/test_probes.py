@@ -1,16 +1,14 @@
-"""Routing probes (attnres.probes): source and layer knock-outs held against independent float64
-references written here from their definitions (manual forwards of the Transformer with a
-source left out, an output removed, or a sublayer's input replaced by the analytic uniform
-mean), batched against one-at-a-time, the figures, the callback and the script."""
+"""Routing probes (attnres/probes.py, with the knock-out passes of attnres/knockout.py): source and
+layer knock-outs held against independent float64 references written here from their definitions
+(manual forwards of the Transformer with a source left out, an output removed, or a sublayer's
+input replaced by the analytic uniform mean), batched against one-at-a-time. The figures:
+tests/results/test_probe_figures.py; the callback and experiments/probe_routing.py:
+tests/training/test_routing.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,7 +31,6 @@ from attnres.residual.denseformer import DenseFormerResidual
 from attnres.residual.hc import HyperConnectionResidual
 from attnres.residual.mhc import ManifoldHyperConnectionResidual
 
-REPO = Path(__file__).resolve().parents[1]
 V, N_LAYER, D, T = 24, 2, 16, 12  # L = 4 sublayers
 L = 2 * N_LAYER
 STRATEGIES = {
@@ -431,118 +428,5 @@ def test_rank_correlation_and_top_agreement_match_scipy():
 
 
 # == figures, callback, script ===========================================================================
-def test_the_routing_figure_has_the_same_rows_and_columns_on_both_heatmaps():
-    from attnres.results import figures, probe_figures
-    from attnres.training.routing import probe_arrays
-
-    probe = probe_routing(_model("block"), _batches(1))
-    shown = probe_arrays(probe)
-    assert set(shown) == {"probe/routing", "probe/layer_knockout"}
-    data, meta = shown["probe/routing"]
-    assert data.shape == (4, *probe.mass.shape)
-    fig = probe_figures.render_probe("probe/routing", data, meta, step=7)
-    mass_ax, effect_ax = fig.axes[0], fig.axes[2]
-    for axis in ("x", "y"):
-        labels = [[t.get_text() for t in getattr(ax, f"get_{axis}ticklabels")()] for ax in (mass_ax, effect_ax)]
-        assert labels[0] == labels[1]
-    assert [t.get_text() for t in mass_ax.get_yticklabels()] == probe.row_labels
-    assert [t.get_text() for t in mass_ax.get_xticklabels()] == probe.col_labels
-    assert effect_ax.images[0].norm.vmin == -effect_ax.images[0].norm.vmax  # centred on 0
-    pixels = figures.to_rgb(fig)
-    assert pixels.ndim == 3 and pixels.shape[1] > pixels.shape[0]
-    curve = probe_figures.render_probe("probe/layer_knockout", *shown["probe/layer_knockout"], step=7)
-    low, high = curve.axes[0].get_ylim()
-    assert low <= probe.layer_effect.min() and high >= probe.layer_effect.max()  # negative effects stay in view
 
 
-@pytest.mark.filterwarnings("ignore:.*LeafSpec", "ignore:.*val_check_interval")
-@pytest.mark.parametrize("enabled", [True, False])
-def test_callback_probes_at_the_end_of_training(tmp_path, enabled):
-    import pytorch_lightning as pl
-
-    from attnres.training import LitLanguageModel
-    from attnres.training.data import SyntheticDataModule
-    from attnres.training.routing import RoutingProbes
-    from attnres.training.tensorboard import TensorBoardLogger
-
-    pl.seed_everything(0, verbose=False)
-    data = SyntheticDataModule(block_size=16, batch_size=4, num_symbols=4, num_hops=1, val_batches=2)
-    model = Transformer(vocab_size=data.vocab_size, n_layer=2, n_head=2, n_embd=16, block_size=16,
-                        residual=partial(BlockAttentionResidual, num_blocks=2))
-    module = LitLanguageModel(model, optimizer=partial(torch.optim.AdamW, lr=1e-3), metric=data.metric)
-    probes = RoutingProbes(enabled=enabled, batches=2, dirpath=str(tmp_path))
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), name="", version=""),
-                         callbacks=[probes], enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False, limit_val_batches=1, val_check_interval=2,
-                         num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=data)
-    written = tmp_path / "probes.json"
-    if not enabled:
-        assert not written.exists() and probes.result is None and probes.seconds == 0.0
-        return
-    result = json.loads(written.read_text())
-    assert result["step"] == 2 and result["batches"] == 2 and len(result["layer_effect"]) == 4
-    assert (tmp_path / "plots" / "routing.png").is_file() and (tmp_path / "plots" / "layer_knockout.png").is_file()
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "tensors": 0})
-    acc.Reload()
-    assert {"probe/routing", "probe/layer_knockout"} <= set(acc.Tags()["images"])
-    assert {"probe/routing_data", "probe/layer_knockout_data"} <= set(acc.Tags()["tensors"])
-    assert module.model.residual._knockout is None
-
-
-@pytest.mark.parametrize("bad", [{"enabled": "yes"}, {"batches": 0}, {"mode": "zero"}, {"layers": 1},
-                                 {"max_stack": 0}])
-def test_callback_options_are_checked(bad):
-    from attnres.training.routing import RoutingProbes
-
-    with pytest.raises(ValueError, match=r"callbacks\.routing_probes\."):
-        RoutingProbes(**bad)
-
-
-def _script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(REPO / "experiments" / "probe_routing.py"), *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_script_refuses_what_it_cannot_probe(tmp_path):
-    missing = _script(str(tmp_path / "nowhere"), cwd=tmp_path)
-    assert missing.returncode == 2 and "is not a folder" in missing.stderr
-    empty = _script(str(tmp_path), cwd=tmp_path)
-    assert empty.returncode == 2 and "no run folders under" in empty.stderr
-    (tmp_path / "run" / ".hydra").mkdir(parents=True)
-    (tmp_path / "run" / ".hydra" / "config.yaml").write_text("data: {_target_: nowhere.Nothing}\n")
-    broken = _script(str(tmp_path / "run"), cwd=tmp_path)
-    assert broken.returncode == 1 and "skipped: cannot rebuild the model" in broken.stderr
-    bad = _script(str(tmp_path / "run"), "--batches", "0", cwd=tmp_path)
-    assert bad.returncode == 2 and "--batches must be >= 1" in bad.stderr
-
-
-@pytest.mark.slow
-def test_script_on_a_sweep_of_real_runs(tmp_path):
-    tiny = ["data=synthetic", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "trainer.max_steps=4",
-            "trainer.val_check_interval=2", "trainer.accelerator=cpu", "data.batch_size=8", "data.val_batches=2",
-            "data.block_size=64", "trainer.enable_progress_bar=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    for name, extra in {"standard": ["residual=standard"], "block": ["residual=block", "num_blocks=2"]}.items():
-        run = subprocess.run([sys.executable, "-m", "attnres", *tiny, *extra, f"hydra.run.dir={tmp_path / name}"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    for _ in range(2):  # the same command twice: the same files, one probe event file per run
-        done = _script(str(tmp_path), "--batches", "1", cwd=tmp_path)
-        assert done.returncode == 0, done.stderr
-    assert "mass-vs-effect rank correlation per sublayer" in done.stdout
-    reused = _script(str(tmp_path), "--batches", "1", "--reuse", cwd=tmp_path)
-    assert reused.returncode == 0 and reused.stdout.count("from its probes.json") == 2, reused.stdout
-    again = _script(str(tmp_path), "--batches", "2", "--reuse", cwd=tmp_path)  # other settings: probed again
-    assert again.returncode == 0 and "from its probes.json" not in again.stdout
-    for name in ("standard", "block"):
-        result = json.loads((tmp_path / name / "probes.json").read_text())
-        assert result["step"] == 4 and len(result["layer_effect"]) == 4 and result["batches"] == 2
-        assert (tmp_path / name / "plots" / "layer_knockout.png").is_file()
-        assert len(list((tmp_path / name).glob("events.out.tfevents.*.probe_routing"))) == 1
-    assert (tmp_path / "block" / "plots" / "routing.png").is_file()
-    assert not (tmp_path / "standard" / "plots" / "routing.png").exists()
-    assert (tmp_path / "plots" / "compare_layer_knockout.png").is_file()

@@ -13,7 +13,8 @@ import torch
 
 from attnres.config.command import check_command_line
 from attnres.config.errors import ConfigError
-from tests.helpers import CONF, TINY_CHECKED as TINY
+from tests.helpers import CONF
+from tests.helpers import TINY_CHECKED as TINY
 
 CUDA = torch.cuda.is_available()
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0

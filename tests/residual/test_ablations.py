@@ -8,10 +8,6 @@ errors, and one short CLI sweep that trains each option and reads its heatmaps b
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,10 +18,10 @@ from torch.func import functional_call
 
 from attnres import BlockAttentionResidual, FullAttentionResidual
 from attnres.functional import depth_attention, generalized_depth_attention, resolve_kernel
+from tests.helpers import REPO, run_cli, tiny
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-REPO = Path(__file__).resolve().parents[1]
 D, EPS = 8, 1e-6
 SHAPES = {"full": {"L": 5}, "block": {"L": 6, "num_blocks": 2}}  # Block: 2 blocks of 3, so partial sums
 
@@ -372,11 +368,8 @@ def test_yaml_keys_are_constructor_arguments_with_their_defaults(kind, cls):
 # end to end: one CLI sweep over the options
 # ------------------------------------------------------------------------------------------------
 
-TINY = [
-    "data=synthetic", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "trainer.max_steps=4",
-    "trainer.val_check_interval=4", "trainer.accelerator=cpu", "data.batch_size=8", "data.val_batches=1",
-    "data.block_size=64", "trainer.enable_progress_bar=false", "callbacks.depth_dashboard.every_n_steps=2",
-]
+TINY = tiny("data.block_size=64", "callbacks.depth_dashboard.every_n_steps=2", steps=4, val_every=4,
+            progress_bar=False, logger=True)
 # One job per dict; each residual key reads the job's dict, or keeps its default. `++` because the
 # sweep's parent composes the config before `residual=full` applies. Block's options are the same
 # code (`ablated_mix`), held to the reference above.
@@ -393,11 +386,10 @@ def test_cli_sweep_trains_every_option_and_its_heatmap_rows_are_distributions(tm
     jobs = ",".join("{" + ",".join(f"{k}:{v}" for k, v in {"job": name, **o}.items()) + "}" for name, o in JOBS.items())
     # +ablation={job:attention,query:input,...},{job:static,...}; ++residual.query=${oc.select:ablation.query,static}
     reads = [f"++residual.{k}=${{oc.select:ablation.{k},{v}}}" for k, v in SWEPT.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "attnres", "-m", "hydra/launcher=basic", "residual=full", *TINY,
-         f"+ablation={jobs}", *reads, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    result = run_cli(
+        "-m", "hydra/launcher=basic", "residual=full", *TINY,
+        f"+ablation={jobs}", *reads, f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"}, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     L, seen = 4, set()
     for run_dir in sorted({p.parent for p in (tmp_path / "sweep").rglob("events.out.tfevents.*")}):

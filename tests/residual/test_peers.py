@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,36 +24,21 @@ from attnres import (
     StandardResidual,
 )
 from attnres.residual.mhc import sinkhorn_knopp
+from tests.helpers import REPO, mlp_sublayers, run_cli, tiny
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-REPO = Path(__file__).resolve().parents[1]
 D, B, T = 8, 2, 3
+
+
+def make_sublayers(L: int, d: int = D, seed: int = 0) -> nn.ModuleList:
+    """Float64 capturing sublayers, not scale-invariant (a wrongly scaled input shows in the output)."""
+    return mlp_sublayers(L, d, seed)
 
 
 # ------------------------------------------------------------------------------------------------
 # sublayers and strategies
 # ------------------------------------------------------------------------------------------------
-
-
-class Capture(nn.Module):
-    """A sublayer that remembers what it read and wrote."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner, self.inputs, self.outputs = inner, [], []
-
-    def forward(self, x):
-        out = self.inner(x)
-        self.inputs.append(x.detach().clone())
-        self.outputs.append(out.detach().clone())
-        return out
-
-
-def make_sublayers(L: int, d: int = D, seed: int = 0) -> nn.ModuleList:
-    """Float64 sublayers, not scale-invariant (a wrongly scaled input shows in the output)."""
-    torch.manual_seed(seed)
-    return nn.ModuleList(Capture(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))) for _ in range(L)).double()
 
 
 def embedding(seed: int = 3, d: int = D) -> torch.Tensor:
@@ -440,22 +421,18 @@ def test_exported_and_configured():
 # end to end: one CLI sweep over the three strategies
 # ------------------------------------------------------------------------------------------------
 
-TINY = [
-    "data=synthetic", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "trainer.max_steps=2",
-    "trainer.val_check_interval=2", "trainer.accelerator=cpu", "data.batch_size=8", "data.val_batches=1",
-    "data.block_size=64", "trainer.enable_progress_bar=false", "callbacks.depth_dashboard.every_n_steps=2",
-]
+TINY = tiny("data.block_size=64", "callbacks.depth_dashboard.every_n_steps=2", steps=2, val_every=2,
+            progress_bar=False, logger=True)
 
 
 @pytest.mark.slow
 def test_cli_sweep_trains_and_draws_heatmaps(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "attnres", "-m", "hydra/launcher=basic", "residual=denseformer,hc,mhc", *TINY,
-         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    result = run_cli(
+        "-m", "hydra/launcher=basic", "residual=denseformer,hc,mhc", *TINY,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"}, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     runs = sorted({p.parent for p in (tmp_path / "sweep").rglob("events.out.tfevents.*")})
     titles = set()

@@ -1,6 +1,6 @@
-"""Residual strategies (Standard, Full, Block) against float64 references of DESIGN.md
-section 2, their initial state, recording, errors, gradcheck, and drop-in use on a
-`torch.nn.TransformerEncoder`."""
+"""The residual strategies (attnres/residual/base.py, standard.py, full.py, block.py) against
+float64 references of DESIGN.md section 2, their initial state, recording, errors, gradcheck, and
+drop-in use on a `torch.nn.TransformerEncoder`."""
 
 # Arguments and loop variables use DESIGN.md's names (L sublayers, N blocks, Q/G queries and
 # gains, l the sublayer index), as pyproject's N806 exception does for variables.
@@ -21,42 +21,21 @@ from attnres import (
     ResidualStrategy,
     StandardResidual,
 )
+from tests.helpers import mixed_sublayers
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 D = 8
 
 
+def make_sublayers(L: int, d: int = D, seed: int = 0) -> nn.ModuleList:
+    """Float64 capturing sublayers; every other one is not scale-invariant, so a wrongly scaled input shows."""
+    return mixed_sublayers(L, d, seed)
+
+
 # ------------------------------------------------------------------------------------------------
 # helpers: sublayers, strategies, references
 # ------------------------------------------------------------------------------------------------
-
-
-class Capture(nn.Module):
-    """A sublayer that remembers what it read and wrote."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner, self.inputs, self.outputs = inner, [], []
-
-    def forward(self, x):
-        out = self.inner(x)
-        self.inputs.append(x.detach().clone())
-        self.outputs.append(out.detach().clone())
-        return out
-
-
-def make_sublayers(L: int, d: int = D, seed: int = 0) -> nn.ModuleList:
-    """Float64 sublayers; every other one is not scale-invariant, so a wrongly scaled input shows."""
-    torch.manual_seed(seed)
-    layers = []
-    for index in range(L):
-        if index % 2 == 0:
-            inner = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.Tanh())
-        else:
-            inner = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))
-        layers.append(Capture(inner))
-    return nn.ModuleList(layers).double()
 
 
 def randomize(strategy: ResidualStrategy, seed: int = 1) -> ResidualStrategy:

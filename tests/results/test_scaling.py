@@ -5,10 +5,6 @@ and the script on a real sweep over three sizes."""
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +17,8 @@ from attnres.results.scaling import (
     multipliers,
     training_flops,
 )
+from tests.helpers import run_cli, run_script, tiny
 
-REPO = Path(__file__).resolve().parents[1]
 TRUE = dict(a=3.0, b=0.3, c=1.5)  # L = 3 (C / 1e14)^-0.3 + 1.5
 
 
@@ -88,17 +84,14 @@ def test_the_bootstrap_interval_covers_the_true_multiplier():
 
 @pytest.mark.slow
 def test_the_script_on_a_real_sweep_over_three_sizes(tmp_path):
-    tiny = ["data=stdlib", "data.max_files=40", "data.block_size=32", "model.n_layer=2", "model.n_head=2",
-            "trainer.max_steps=8", "trainer.val_check_interval=8", "trainer.accelerator=cpu", "data.batch_size=8",
-            "data.val_batches=2", f"data.cache_dir={tmp_path / 'cache'}", "callbacks=none", "logger=none",
-            "hydra.launcher.cpu_jobs=2", "num_blocks=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    sweep = subprocess.run([sys.executable, "-m", "attnres", "-m", *tiny, "model.n_embd=16,32,64",
-                            "residual=standard,block", "hydra.sweep.dir=sweep"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=600)
+    small = tiny("data.max_files=40", "data.block_size=32", f"data.cache_dir={tmp_path / 'cache'}", "callbacks=none",
+                 "hydra.launcher.cpu_jobs=2", "num_blocks=2", data="stdlib", val_batches=2, steps=8, val_every=8,
+                 width=False)
+    sweep = run_cli("-m", *small, "model.n_embd=16,32,64", "residual=standard,block", "hydra.sweep.dir=sweep",
+                    cwd=tmp_path, timeout=600)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
-    script = [sys.executable, str(REPO / "experiments" / "scaling.py"), "sweep", "--samples", "200"]
-    result = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    script = ["experiments/scaling.py", "sweep", "--samples", "200"]
+    result = run_script(*script, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("block vs standard: "), result.stdout
     with open(tmp_path / "sweep" / "scaling.csv") as f:
@@ -113,6 +106,6 @@ def test_the_script_on_a_real_sweep_over_three_sizes(tmp_path):
     for d in (tmp_path / "sweep").iterdir():
         if "n_embd=64" in d.name:
             (d / "metrics.json").unlink()
-    short = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    short = run_script(*script, cwd=tmp_path, timeout=300)
     assert short.returncode == 2 and len(short.stderr.strip().splitlines()) == 1, short.stderr
     assert "needs at least 3" in short.stderr

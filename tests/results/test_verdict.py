@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +11,10 @@ from omegaconf import OmegaConf
 
 from attnres.results import verdict
 from attnres.results.summary import config_keys
+from tests.helpers import run_script
 
 T_975_DF2 = 4.302652729749464  # Student t 97.5% quantile, 2 degrees of freedom (tables)
 T_975_DF1 = 12.706204736174705  # ... 1 degree of freedom
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run(seed, value, status="finished", tps=1000.0, mem=None, metric="val/bpb"):
@@ -139,21 +137,15 @@ def test_comparisons_pick_the_exact_baseline_first():
 
 
 @pytest.mark.slow
-def test_a_real_sweep_ends_with_verdicts_a_csv_and_a_plot(tmp_path):
-    tiny = ["data=stdlib", "data.max_files=40", "data.block_size=32", "model.n_layer=2", "model.n_embd=32",
-            "model.n_head=2", "trainer.max_steps=6",
-            "trainer.val_check_interval=3", "trainer.accelerator=cpu", "data.batch_size=8", "data.val_batches=2",
-            f"data.cache_dir={tmp_path / 'cache'}", "callbacks=none", "hydra.launcher.cpu_jobs=2"]
-    result = subprocess.run([sys.executable, "-m", "attnres", "-m", *tiny, "residual=standard,block", "num_blocks=2",
-                             "seed=0,1", "hydra.sweep.dir=sweep"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=400, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_a_real_sweep_ends_with_verdicts_a_csv_and_a_plot(shared_sweep):
+    """The shared sweep (tests/helpers.py): standard and Block N=2, seeds 0 and 1, stdlib bytes."""
+    result, sweep = shared_sweep, shared_sweep.dir
     verdicts = [line for line in result.stdout.splitlines() if line.startswith("verdict: ")]
     assert len(verdicts) == 1 and verdicts[0].startswith("verdict: block vs standard: "), result.stdout
     assert "paired t, 2 seeds" in verdicts[0] and "x tokens/s" in verdicts[0]
-    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    summary = (sweep / "summary.md").read_text()
     assert "## Verdicts" in summary and verdicts[0].removeprefix("verdict: ") in summary
-    with open(tmp_path / "sweep" / "summary.csv") as f:
+    with open(sweep / "summary.csv") as f:
         table = list(csv.DictReader(f))
     blocks = [r for r in table if r["residual"] == "block"]
     assert len(table) == 4 and len(blocks) == 2
@@ -161,7 +153,7 @@ def test_a_real_sweep_ends_with_verdicts_a_csv_and_a_plot(tmp_path):
         base = next(b for b in table if b["residual"] == "standard" and b["seed"] == r["seed"])
         assert float(r["diff"]) == pytest.approx(float(r["val/bpb"]) - float(base["val/bpb"]), abs=1e-3)
         assert r["method"] == "paired t" and float(r["ci_low"]) <= float(r["mean_diff"]) <= float(r["ci_high"])
-    png = tmp_path / "sweep" / "summary.png"
+    png = sweep / "summary.png"
     assert png.stat().st_size > 20_000  # two panels with curves, not an empty canvas
     from matplotlib.image import imread
 
@@ -187,10 +179,10 @@ def test_summarize_pairs_runs_of_several_sweeps(tmp_path):
     for seed, bpb in enumerate((2.0, 2.1, 2.2)):
         _job(tmp_path / "base" / f"s{seed}", "standard", seed, bpb, num_blocks=2)
         _job(tmp_path / "variants" / f"b{seed}", "block", seed, bpb - 0.05 - 0.01 * seed)
-    script = [sys.executable, str(REPO / "experiments" / "summarize.py"), "base", "variants"]
-    refused = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    script = ["experiments/summarize.py", "base", "variants"]
+    refused = run_script(*script, cwd=tmp_path, timeout=120)
     assert refused.returncode == 2 and "--out" in refused.stderr
-    result = subprocess.run([*script, "--out", "both"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = run_script(*script, "--out", "both", cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("verdict: "))
     # the standard runs do not read num_blocks, so N is no part of their label

@@ -1,66 +1,19 @@
-"""Sweeps through the real CLI: device slots, dedup, failure isolation, resume, summaries, DDP."""
+"""The sweep launcher (attnres/sweep/launcher.py, with the planning of attnres/sweep/plan.py):
+through the real CLI, identical jobs run once, a failing or killed job leaves the others alone,
+resume skips what finished and runs again what did not; in-process, an empty sweep is refused in
+one line."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from itertools import combinations
-from pathlib import Path
 
 import pytest
 
-from attnres.results.summary import find_job_dirs, job_labels, job_overrides
-from attnres.sweep.slots import Slot, plan_slots
-
-pytestmark = pytest.mark.slow
-
-TINY = [
-    "data=synthetic", "data.batch_size=8", "data.val_batches=1", "model.n_layer=2", "model.n_embd=32",
-    "model.n_head=2", "trainer.accelerator=cpu", "trainer.max_steps=3", "trainer.val_check_interval=3", "logger=none",
-]
+from tests.helpers import TINY_SWEEP as TINY
+from tests.helpers import job_dirs, metrics, run_cli
 
 
-def attnres_run(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "attnres", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=900)
-
-
-def job_dirs(sweep: Path) -> dict[str, Path]:
-    """The sweep's run folders by the overrides that differ between them (as the summary labels them)."""
-    dirs = find_job_dirs(sweep)
-    labels = job_labels({d.name: job_overrides(d) or {} for d in dirs})
-    return {labels[d.name]: d for d in dirs}
-
-
-def metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
-def test_two_simulated_gpus_never_share_a_slot(tmp_path):
-    result = attnres_run("-m", *TINY, "seed=0,1,2,3", "hydra.sweep.dir=sweep",
-                         f"hydra.launcher.lock_dir={tmp_path}/locks", cwd=tmp_path, env={"ATTNRES_FAKE_GPUS": "2"})
-    assert result.returncode == 0, result.stderr[-4000:]
-    jobs = job_dirs(tmp_path / "sweep")
-    assert len(jobs) == 4
-    held = [json.loads((d / "slot.json").read_text()) for d in jobs.values()]
-    assert {h["slot"] for h in held} == {"gpu0.0", "gpu1.0"}
-    for a, b in combinations(held, 2):  # two jobs on one slot never overlap in time
-        if a["slot"] == b["slot"]:
-            assert a["end"] <= b["start"] or b["end"] <= a["start"], (a, b)
-    assert any(sum(h["slot"] == s for h in held) >= 2 for s in ("gpu0.0", "gpu1.0")), "no slot was reused"
-    assert any(a["slot"] != b["slot"] and a["start"] < b["end"] and b["start"] < a["end"]
-               for a, b in combinations(held, 2)), "the two slots never ran at once"
-    for d in jobs.values():
-        assert metrics(d)["status"] == "finished" and metrics(d)["slot"] in ("gpu0.0", "gpu1.0")
-    summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert "4 finished" in summary and "gpu0.0" in summary
-    assert (tmp_path / "sweep" / "summary.png").stat().st_size > 1000
-    assert len((tmp_path / "sweep" / "summary.csv").read_text().splitlines()) == 5
-
-
+@pytest.mark.slow
 def test_dedup_failure_isolation_and_resume(tmp_path):
     # standard ignores num_blocks: 2 jobs are one run; a strategy that raises stands for a job that
     # fails, one that kills its own process for a job killed by the OS (the command-line checks
@@ -76,12 +29,12 @@ def test_dedup_failure_isolation_and_resume(tmp_path):
     )
     lock_dir = f"hydra.launcher.lock_dir={tmp_path}/locks"
     args = ["-m", *TINY, "residual=standard,block", "num_blocks=2,4", "hydra.sweep.dir=sweep", lock_dir]
-    first = attnres_run(*args, cwd=tmp_path)
+    first = run_cli(*args, cwd=tmp_path, timeout=900)
     assert first.returncode == 0, first.stderr[-4000:]
     assert first.stdout.splitlines()[-1] == "sweep: 4 jobs, 3 finished, 1 duplicate -> sweep/summary.md"
     assert "duplicate of" in (tmp_path / "sweep" / "summary.md").read_text()
     bad = ["-m", *TINY, "residual._target_=killer.Killer,killer.Raiser", "seed=5", "hydra.sweep.dir=sweep", lock_dir]
-    failing = attnres_run(*bad, cwd=tmp_path)
+    failing = run_cli(*bad, cwd=tmp_path, timeout=900)
     assert failing.returncode == 1, failing.stderr[-4000:]  # its jobs failed: the sweep says so
     assert failing.stdout.splitlines()[-1] == "sweep: 2 jobs, 2 failed -> sweep/summary.md"
 
@@ -103,7 +56,7 @@ def test_dedup_failure_isolation_and_resume(tmp_path):
     assert "5 jobs: 3 finished, 2 failed." in (tmp_path / "sweep" / "summary.md").read_text()
 
     finished_before = (block2 / "metrics.json").stat().st_mtime_ns
-    again = attnres_run(*args, "resume=true", cwd=tmp_path)
+    again = run_cli(*args, "resume=true", cwd=tmp_path, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     notes = json.loads((tmp_path / "sweep" / "jobs.json").read_text())
     assert sum(n.get("skipped", False) for n in notes.values()) == 3  # standard and block N=2, 4 were finished
@@ -111,25 +64,40 @@ def test_dedup_failure_isolation_and_resume(tmp_path):
     assert (block2 / "metrics.json").stat().st_mtime_ns == finished_before, "a finished job ran again"
 
     failed_before = (raised / "metrics.json").stat().st_mtime_ns
-    retried = attnres_run(*bad, "resume=true", cwd=tmp_path)
+    retried = run_cli(*bad, "resume=true", cwd=tmp_path, timeout=900)
     assert retried.returncode == 1, retried.stderr[-4000:]
     assert (raised / "metrics.json").stat().st_mtime_ns != failed_before, "an unfinished job did not run again"
     assert metrics(raised)["status"] == "failed" and "boom" in (tmp_path / "sweep" / "summary.md").read_text()
 
 
-def test_ddp_two_processes_on_cpu(tmp_path):
-    result = attnres_run(*TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-                         "trainer.enable_progress_bar=false", "hydra.run.dir=ddp", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    summary = metrics(tmp_path / "ddp")
-    assert summary["status"] == "finished" and summary["steps"] == 3
-    assert summary["tokens_seen"] == 3 * 2 * 8 * 40  # steps x processes x batch x block_size
+def test_the_launcher_refuses_an_empty_sweep_in_one_line(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from attnres.sweep.launcher import ParallelLauncher
+
+    launcher = ParallelLauncher(lock_dir=str(tmp_path / "locks"))
+    launcher.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")},
+                                                  "overrides": {"task": ["seed=range(0,0)"]}}})
+    launcher.hydra_context = object()
+    with pytest.raises(SystemExit) as exit_:
+        launcher.launch([], initial_job_idx=0)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnres-run: error: the sweep has no jobs: seed=range(0,0)") and "\n" not in err
 
 
-def test_slot_plan():
-    assert [s.name for s in plan_slots(["0", "1"], 2, None)] == ["gpu0.0", "gpu0.1", "gpu1.0", "gpu1.1"]
-    assert all(isinstance(s, Slot) and s.device in ("0", "1") for s in plan_slots(["0", "1"], 2, None))
-    cpu = plan_slots([], 1, 3)
-    assert [s.name for s in cpu] == ["cpu0", "cpu1", "cpu2"] and all(s.device is None for s in cpu)
-    with pytest.raises(ValueError, match="jobs_per_gpu"):
-        plan_slots(["0"], 0, None)
+def test_the_hydra_plugin_shim_is_this_packages_launchers():
+    """attnres/sweep/hydra_plugin.py, which the wheel (and an editable install) copies to
+    hydra_plugins/attnres_launcher/: its launchers are attnres's, and the installed copy, the one
+    Hydra loads, is this file (an editable install copies it: reinstall after editing it)."""
+    from pathlib import Path
+
+    from attnres.sweep import hydra_plugin, launcher
+
+    assert issubclass(hydra_plugin.ParallelLauncher, launcher.ParallelLauncher)
+    assert hydra_plugin.ParallelLauncher.__doc__ == launcher.ParallelLauncher.__doc__
+    slurm = pytest.importorskip("attnres.sweep.slurm", reason="needs the slurm extra (hydra-submitit-launcher)")
+    assert issubclass(hydra_plugin.SlurmLauncher, slurm.SlurmLauncher)
+    shim = pytest.importorskip("hydra_plugins.attnres_launcher", reason="attnres is not installed")
+    assert Path(shim.__file__).read_text() == Path(hydra_plugin.__file__).read_text(), (
+        f"{shim.__file__} is not attnres/sweep/hydra_plugin.py: reinstall attnres (pip install -e .)")

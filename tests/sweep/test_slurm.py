@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,12 +17,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from attnres.config.errors import ConfigError
-from attnres.results.summary import collect_rows, format_counts, status_counts
+from attnres.results.summary import collect_rows
 
 slurm = pytest.importorskip("attnres.sweep.slurm", reason="needs the slurm extra (hydra-submitit-launcher)")
 from attnres.sweep import slurm_resources  # noqa: E402  (after the skip: the same extra)
+from tests.helpers import CLI, REPO, cli_env, run_cli, tiny  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "experiments" / "slurm" / "cluster.sh"
 
 
@@ -63,7 +61,8 @@ def test_derived_resources_fit_the_runs_and_the_partition(caplog):
     assert "asking for 2" in caplog.text
     auto = slurm_resources.fit_resources(launcher_params(), [run_config("auto", 1), run_config("auto", 2)], GPUS)
     assert auto["gpus_per_node"] == 2 and auto["cpus_per_task"] == 2 and auto["mem_gb"] == 8
-    assert slurm_resources.fit_resources(launcher_params(timeout_min=15), [run_config("auto")], SMALL)["gpus_per_node"] is None
+    auto_small = slurm_resources.fit_resources(launcher_params(timeout_min=15), [run_config("auto")], SMALL)
+    assert auto_small["gpus_per_node"] is None
     every = slurm_resources.fit_resources(launcher_params(), [run_config("gpu", "auto")], GPUS)
     assert every["gpus_per_node"] == 8
 
@@ -85,12 +84,6 @@ def test_requests_no_node_can_meet_are_refused_in_one_line(override, words):
 def test_a_gpu_run_on_a_partition_without_gpus_is_refused():
     with pytest.raises(ConfigError, match="trainer.accelerator=cpu to train on the CPU"):
         slurm_resources.fit_resources(launcher_params(timeout_min=15), [run_config("gpu")], SMALL)
-
-
-def test_statuses_with_spaces_are_counted_whole():
-    counts = status_counts(["finished", "timed out", "timed out", "not finished", "duplicate of seed=0"])
-    assert counts == {"finished": 1, "timed out": 2, "not finished": 1, "duplicate": 1}
-    assert format_counts(counts) == "5 jobs, 1 finished, 2 timed out, 1 duplicate, 1 not finished"
 
 
 class FakeJob:
@@ -154,10 +147,44 @@ def test_a_job_that_returned_keeps_its_own_status(tmp_path):
     assert json.loads((run / "metrics.json").read_text()) == {"status": "finished"}
 
 
+def test_a_requeued_slurm_job_continues_its_own_run(tmp_path, monkeypatch):
+    """attnres/sweep/slurm_job.py, no cluster: the task id as sacct names it, its CPUs, and a job
+    that finds its own unfinished run continues it (resume=true), its finished run does nothing,
+    another job's run is left to the usual refusal."""
+    from attnres.sweep import slurm_job
+
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID", "SUBMITIT_EXECUTOR",
+                 "SLURM_CPUS_PER_TASK", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert slurm_job.current_job_id() is None and not slurm_job.in_slurm_job() and slurm_job.job_threads() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    assert slurm_job.current_job_id() == "41" and not slurm_job.in_slurm_job()  # not submitit's
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    assert slurm_job.current_job_id() == "7_1" and slurm_job.in_slurm_job() and slurm_job.job_threads() == 3
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = OmegaConf.create({"resume": False, "overwrite": False})
+    assert slurm_job.continue_own_run(cfg, run) and cfg.resume is False  # a fresh folder: a fresh run
+    assert json.loads((run / "slurm.json").read_text())["job_id"] == "7_1"
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued: its own run, unfinished
+    assert slurm_job.continue_own_run(cfg, run) and cfg.resume is True
+    assert json.loads((run / "slurm.json").read_text())["restarts"] == 1
+    (run / "metrics.json").write_text('{"status": "finished"}')
+    assert not slurm_job.continue_own_run(OmegaConf.create({"resume": False, "overwrite": False}), run)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")  # another task: not its run
+    other = OmegaConf.create({"resume": False, "overwrite": False})
+    assert slurm_job.continue_own_run(other, run) and other.resume is False
+
+
 # -- a real cluster ----------------------------------------------------------------------------------
-TINY = ["data=synthetic", "data.batch_size=8", "data.val_batches=1", "model.n_layer=2", "model.n_embd=32",
-        "model.n_head=2", "trainer.accelerator=cpu", "logger=none", "callbacks.periodic_checkpoint.every_n_steps=50",
-        "trainer.val_check_interval=400", "callbacks.depth_dashboard.every_n_steps=1000"]
+TINY = tiny("callbacks.periodic_checkpoint.every_n_steps=50", "callbacks.depth_dashboard.every_n_steps=1000",
+            val_every=400)
 LONG = 400  # steps of the runs that get cancelled, requeued or timed out (tens of seconds on 2 cores)
 
 
@@ -182,10 +209,10 @@ class Sweep:
     """`attnres-run -m hydra/launcher=slurm ...` in the background, its output in a file."""
 
     def __init__(self, *args: str, cwd: Path, name: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+        env = cli_env({"HYDRA_FULL_ERROR": "0"})
         self.log = cwd / f"{name}.out"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "attnres", "-m", "hydra/launcher=slurm",
+            self.proc = subprocess.Popen([*CLI, "-m", "hydra/launcher=slurm",
                                           "hydra.launcher.poll_s=1", *TINY, *args], cwd=cwd, env=env, stdout=out,
                                          stderr=subprocess.STDOUT)
 
@@ -261,8 +288,8 @@ def assert_same_run(folder: Path, reference: Path) -> None:
 @pytest.mark.slow
 def test_a_sweep_survives_cancel_requeue_and_time_limit(cluster, tmp_path):
     # the uninterrupted run every continued one must equal, on this machine, beside the sweeps
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    reference = subprocess.Popen([sys.executable, "-m", "attnres", *TINY, "seed=1", f"trainer.max_steps={LONG}",
+    env = cli_env()
+    reference = subprocess.Popen([*CLI, *TINY, "seed=1", f"trainer.max_steps={LONG}",
                                   "hydra.run.dir=reference"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
     # the time limit: SLURM warns a job signal_delay_s before it with SIGUSR2 (sbatch --signal), checked
@@ -356,13 +383,10 @@ def test_a_sweep_survives_cancel_requeue_and_time_limit(cluster, tmp_path):
 
 @pytest.mark.slurm
 def test_a_request_the_partition_cannot_meet_is_refused_before_submitting(cluster, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     sinfo = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True)
     cpus = int(sinfo.stdout.split()[0].rstrip("+"))
-    result = subprocess.run([sys.executable, "-m", "attnres", "-m", "hydra/launcher=slurm", *TINY, "seed=0,1",
-                             f"hydra.launcher.cpus_per_task={cpus * 4}", "hydra.launcher.timeout_min=5",
-                             "hydra.sweep.dir=refused"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_cli("-m", "hydra/launcher=slurm", *TINY, "seed=0,1", f"hydra.launcher.cpus_per_task={cpus * 4}",
+                     "hydra.launcher.timeout_min=5", "hydra.sweep.dir=refused", cwd=tmp_path, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("attnres-run: error: hydra.launcher.cpus_per_task=") and f"the {cpus} CPUs" in line

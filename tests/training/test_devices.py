@@ -16,10 +16,6 @@ import sys
 import textwrap
 
 import pytest
-from omegaconf import OmegaConf
-
-from attnres.config.errors import ConfigError
-from attnres.config.rules import validate_config
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="mallopt's thresholds are glibc's")
@@ -72,6 +68,3 @@ def test_without_it_a_large_tensor_is_a_mapping_returned_when_freed():
     assert plain["mapped"] >= 4 << 20
 
 
-def test_the_key_is_a_boolean():
-    with pytest.raises(ConfigError, match="keep_freed_memory=no is not a boolean"):
-        validate_config(OmegaConf.create({"keep_freed_memory": "no"}))

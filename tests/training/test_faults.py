@@ -8,53 +8,31 @@ The faults are callbacks from tests/faultinject.py named on the command line."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from attnres.atomic import finite_json, write_json
+from tests.helpers import CLI, cli_env, faultinject_env, metrics, run_cli, shared_once, tiny, weights
 
-TESTS = Path(__file__).resolve().parent
 # tiny model and data, dropout on, validation (and so a checkpoint) every 2 steps, 6 steps in all
-BASE = [
-    "data=synthetic", "data.batch_size=8", "data.val_batches=1", "model.n_layer=2", "model.n_embd=32",
-    "model.n_head=2", "model.dropout=0.1", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
-    "logger=none", "residual=block", "num_blocks=2", "trainer.val_check_interval=2", "trainer.max_steps=6",
-    "optim.schedule.warmup_steps=2",
-]
-
-pytestmark = pytest.mark.slow
+BASE = tiny("model.dropout=0.1", "residual=block", "num_blocks=2", "optim.schedule.warmup_steps=2",
+            steps=6, val_every=2, progress_bar=False)
 
 
 def run(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get(
-        "PYTHONPATH", "")])}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", "attnres", *BASE, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """`attnres-run BASE ARGS`, able to name tests/faultinject.py's callbacks."""
+    return run_cli(*BASE, *args, cwd=cwd, timeout=timeout, env=faultinject_env())
 
 
 def fault(target: str, **kwargs) -> list[str]:
     keys = (f"+callbacks.fault.{k}={v}" for k, v in kwargs.items())
     return [f"+callbacks.fault._target_=faultinject.{target}", *keys]
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-
-
-def metrics(run_dir: Path) -> dict:
-    def refuse(constant: str):
-        raise ValueError(f"metrics.json holds {constant}, which is not JSON")
-    return json.loads((run_dir / "metrics.json").read_text(), parse_constant=refuse)
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -64,15 +42,20 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert not different, f"{len(different)} tensors differ, e.g. {different[0]}"
 
 
-@pytest.fixture(scope="module")
+def _reference(root: Path) -> dict:
+    result = run("hydra.run.dir=ref", cwd=root)
+    return {"returncode": result.returncode, "stderr": result.stderr[-3000:]}
+
+
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run every resumed one must equal, bit for bit."""
-    cwd = tmp_path_factory.mktemp("reference")
-    result = run("hydra.run.dir=ref", cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return cwd / "ref"
+    """The uninterrupted run every resumed one must equal, bit for bit (once per session: read only)."""
+    root, result = shared_once(tmp_path_factory, "faults-reference", _reference)
+    assert result["returncode"] == 0, result["stderr"]
+    return root / "ref"
 
 
+@pytest.mark.slow
 def test_dropout_is_on_and_runs_differ_by_seed(reference, tmp_path):
     """Sanity of the setting: with dropout the random state matters (else the resume tests prove nothing)."""
     other = run("hydra.run.dir=other", "seed=1", cwd=tmp_path)
@@ -84,6 +67,7 @@ def test_dropout_is_on_and_runs_differ_by_seed(reference, tmp_path):
 
 @pytest.mark.parametrize(("step", "moment"), [(3, "step"), (4, "validation"), (4, "checkpoint")],
                          ids=["mid-run", "in-validation", "inside-checkpoint-write"])
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(reference, tmp_path, step, moment):
     killed = run("hydra.run.dir=run", *fault("KillAt", step=step, moment=moment), cwd=tmp_path)
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-2000:])
@@ -98,6 +82,7 @@ def test_sigkill_then_resume_is_bit_identical(reference, tmp_path, step, moment)
     assert not list(ckpts.glob("*-v*.ckpt")), "a checkpoint name was versioned"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [("TERM", 143), ("INT", 130)])
 def test_signal_checkpoints_exits_nonzero_and_resumes(reference, tmp_path, sig, code):
     stopped = run("hydra.run.dir=run", *fault("KillAt", step=3, moment="step", sig=sig), cwd=tmp_path)
@@ -114,9 +99,10 @@ def test_signal_checkpoints_exits_nonzero_and_resumes(reference, tmp_path, sig, 
     assert metrics(tmp_path / "run")["status"] == "finished"
 
 
+@pytest.mark.slow
 def test_sigterm_from_outside_stops_within_seconds(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "attnres", *BASE, "trainer.max_steps=100000",
+    env = cli_env()
+    proc = subprocess.Popen([*CLI, *BASE, "trainer.max_steps=100000",
                              "trainer.val_check_interval=50", "hydra.run.dir=run"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log_file = tmp_path / "run/attnres.log"
@@ -135,6 +121,7 @@ def test_sigterm_from_outside_stops_within_seconds(tmp_path):
     assert saved["global_step"] == summary["steps"]
 
 
+@pytest.mark.slow
 def test_overwrite_then_crash_then_resume_never_continues_the_old_run(tmp_path):
     old = run("hydra.run.dir=run", "seed=0", cwd=tmp_path)
     assert old.returncode == 0, old.stderr[-3000:]
@@ -150,9 +137,11 @@ def test_overwrite_then_crash_then_resume_never_continues_the_old_run(tmp_path):
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     for name in ("last.ckpt", "best.ckpt"):
         assert_same_weights(tmp_path / "fresh/checkpoints" / name, ckpts / name)
-    assert sorted(p.name for p in ckpts.iterdir()) == ["best.ckpt", "last.ckpt"]
+    # the new run's two checkpoints and their SHA-256 records (training/checkpoints.py), nothing else
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.ckpt", "best.ckpt.sha256", "last.ckpt", "last.ckpt.sha256"]
 
 
+@pytest.mark.slow
 def test_completed_overwrite_leaves_nothing_of_the_old_run(tmp_path):
     assert run("hydra.run.dir=run", "seed=0", cwd=tmp_path).returncode == 0
     again = run("hydra.run.dir=run", "seed=1", "overwrite=true", cwd=tmp_path)
@@ -162,6 +151,7 @@ def test_completed_overwrite_leaves_nothing_of_the_old_run(tmp_path):
         assert_same_weights(tmp_path / "fresh/checkpoints" / name, tmp_path / "run/checkpoints" / name)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_the_step(tmp_path):
     result = run("hydra.run.dir=run", *fault("NaNAt", step=3), cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
@@ -176,6 +166,7 @@ def test_nonfinite_loss_stops_naming_the_step(tmp_path):
     assert "non-finite loss at step 3" in (tmp_path / "run/attnres.log").read_text()
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_skip_policy_drops_the_step(tmp_path):
     result = run("hydra.run.dir=run", "nonfinite.policy=skip", *fault("NaNAt", step=3), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -184,6 +175,7 @@ def test_nonfinite_loss_skip_policy_drops_the_step(tmp_path):
     assert all(torch.isfinite(w).all() for w in weights(tmp_path / "run/checkpoints/last.ckpt").values())
 
 
+@pytest.mark.slow
 def test_nonfinite_weights_rollback_policy_reloads_and_lowers_the_lr(tmp_path):
     result = run("hydra.run.dir=run", "nonfinite.policy=rollback", "nonfinite.lr_factor=0.25",
                  *fault("NaNAt", step=5, what="weights"), cwd=tmp_path)
@@ -196,6 +188,7 @@ def test_nonfinite_weights_rollback_policy_reloads_and_lowers_the_lr(tmp_path):
     assert base_lrs[0] == pytest.approx(0.25 * 3e-3), base_lrs  # conf/optim/adamw.yaml: lr 3e-3
 
 
+@pytest.mark.slow
 def test_nonfinite_weights_skip_policy_gives_up_after_max_in_a_row(tmp_path):
     result = run("hydra.run.dir=run", "nonfinite.policy=skip", "nonfinite.max_in_a_row=2",
                  *fault("NaNAt", step=3, what="weights"), cwd=tmp_path)
@@ -211,6 +204,7 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
     disk = tmp_path / "disk"
     # a checkpoint of the tiny model is ~330 KB: room for best + last, not for a third copy being written
@@ -231,9 +225,10 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
             subprocess.run(["umount", str(disk)], check=False)
 
 
+@pytest.mark.slow
 def test_second_run_in_the_same_folder_is_refused(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "attnres", *BASE, "trainer.max_steps=100000",
+    env = cli_env()
+    first = subprocess.Popen([*CLI, *BASE, "trainer.max_steps=100000",
                               "hydra.run.dir=run"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
@@ -251,6 +246,7 @@ def test_second_run_in_the_same_folder_is_refused(tmp_path):
     assert metrics(tmp_path / "run")["status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_resume_after_kill_before_first_checkpoint_starts_from_scratch(reference, tmp_path):
     killed = run("hydra.run.dir=run", *fault("KillAt", step=1), cwd=tmp_path)
     assert killed.returncode == -signal.SIGKILL
@@ -260,6 +256,7 @@ def test_resume_after_kill_before_first_checkpoint_starts_from_scratch(reference
     assert_same_weights(reference / "checkpoints/last.ckpt", tmp_path / "run/checkpoints/last.ckpt")
 
 
+@pytest.mark.slow
 def test_written_files_follow_the_umask(reference):
     expected = 0o666 & ~_umask()
     for path in (reference / "metrics.json", reference / "checkpoints/last.ckpt", reference / "checkpoints/best.ckpt"):
@@ -275,12 +272,6 @@ def _umask() -> int:
 
 
 # -- unit tests (fast) ---------------------------------------------------------------------------
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_write_json_never_writes_nan(tmp_path, value):
-    write_json(tmp_path / "m.json", {"metrics": {"val/loss": value, "ok": 1.5}, "list": [value]})
-    text = (tmp_path / "m.json").read_text()
-    assert json.loads(text) == {"metrics": {"val/loss": None, "ok": 1.5}, "list": [None]}
-    assert finite_json({"a": (value, 2)}) == {"a": [None, 2]}
 
 
 def test_clear_previous_run_removes_every_output_of_the_old_run(tmp_path):
@@ -294,6 +285,7 @@ def test_clear_previous_run_removes_every_output_of_the_old_run(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "attnres.log"]  # the new run's, from Hydra
 
 
+@pytest.mark.slow
 def test_unbounded_run_trains_on_and_stops_on_sigterm(tmp_path):
     """`trainer.max_steps=-1` (no step limit; the schedule's length from optim.total_steps) is
     not "at its last step" from the start: it trains until the signal, then stops as usual."""

@@ -5,10 +5,8 @@ its saved config that name old module paths are rewritten to the new ones (attnr
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,9 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from attnres.config.moved import MOVED, update_moved_targets
+from tests.helpers import run_cli
 
 LEGACY = Path(__file__).resolve().parents[1] / "data" / "legacy_run"
-CLI = [sys.executable, "-c", "from attnres._entry import main; main()"]
 
 
 def _legacy_copy(tmp_path: Path) -> Path:
@@ -32,8 +30,7 @@ def _overrides(run: Path) -> list[str]:
 
 
 def _attnres_run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(CLI + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return run_cli(*args, cwd=cwd, timeout=300)
 
 
 def test_its_saved_config_names_old_paths_that_all_resolve_after_the_update():
@@ -43,7 +40,7 @@ def test_its_saved_config_names_old_paths_that_all_resolve_after_the_update():
     changed = update_moved_targets(cfg)
     assert "callbacks.progress_bar._target_" in changed and "logger.tensorboard._target_" in changed
     for section in ("callbacks", "logger"):
-        for name, node in cfg[section].items():
+        for node in cfg[section].values():
             get_class(node._target_)  # raises if a target still names a module that is gone
     assert update_moved_targets(cfg) == []  # nothing left to rewrite
 

@@ -18,7 +18,7 @@ Nothing is downloaded. Each document is followed by an end-of-text token (`<|end
 Writes OUT_DIR/train.bin and val.bin (headered shards: 256 int32 of magic, version and token
 count, then uint16 tokens, or uint32 above 65,536 tokens), tokenizer.json and meta.json (vocabulary,
 tokenizer, token and byte counts, the source's content fingerprint). Streaming: files are read in
-chunks of at most `CHUNK_BYTES`, encoded by `--workers` processes and appended in source order, so
+chunks of at most `sources.CHUNK_BYTES`, encoded by `--workers` processes and appended in source order, so
 the output does not depend on the number of workers. Atomic: everything is written in a temporary
 folder inside OUT_DIR and moved into place at the end, meta.json last.
 

@@ -16,6 +16,7 @@ from attnres.training.data import prepare as prep
 from attnres.training.data import sources
 from attnres.training.data.corpus import stat_file
 from attnres.training.data.tokens import TokensDataModule, open_shard
+from tests.helpers import cli_env, run_cli
 
 WORDS = "attention residual block depth query softmax layer token stream café über naïve".split()
 
@@ -100,7 +101,7 @@ def test_jsonl_documents_and_a_single_text_file(tmp_path):
 
 
 def test_big_files_are_cut_into_pieces_after_newlines(tmp_path, monkeypatch):
-    monkeypatch.setattr(prep, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 1000)  # where make_tasks reads it (prepare.py before the split)
     single = tmp_path / "one.txt"
     single.write_text("".join(f"line {k} of a long single file\n" for k in range(2000)))
     tasks = sources.make_tasks([stat_file(str(tmp_path), str(single))], 0.1)
@@ -182,7 +183,7 @@ def test_a_dying_worker_stops_the_run_with_an_error(tmp_path):
 
 def test_command_line_exit_status(tmp_path):
     src = corpus(tmp_path / "src")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cli_env()
     cmd = [sys.executable, "-m", "attnres.training.data.prepare", str(src), str(tmp_path / "out")]
     bad = subprocess.run(cmd + ["--tokenizer", str(tmp_path / "missing.json")], capture_output=True, text=True,
                          env=env, timeout=120)
@@ -194,13 +195,9 @@ def test_command_line_exit_status(tmp_path):
 
 
 def _train(tmp_path: Path, name: str, *args: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    run = subprocess.run([sys.executable, "-m", "attnres", *args, "model.n_layer=2", "model.n_embd=64",
-                          "model.n_head=2", "data.batch_size=16", "trainer.max_steps=150",
-                          "trainer.val_check_interval=150", "trainer.accelerator=cpu", "logger=none",
-                          "trainer.enable_progress_bar=false", f"hydra.run.dir={name}"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    run = run_cli(*args, "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "data.batch_size=16",
+                  "trainer.max_steps=150", "trainer.val_check_interval=150", "trainer.accelerator=cpu", "logger=none",
+                  "trainer.enable_progress_bar=false", f"hydra.run.dir={name}", cwd=tmp_path, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads((tmp_path / name / "metrics.json").read_text())
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 from attnres.config.errors import ConfigError
 from attnres.training.data.tokens import HEADER_BYTES, TokensDataModule, token_byte_lengths, write_shard
 from attnres.training.lit import LitLanguageModel
+from tests.helpers import TINY_MODEL, run_cli
 
 
 def make_folder(root: Path, dtype=np.uint16, headered=True, vocab=1000, shards=(3000, 2000), val=1500,
@@ -279,15 +279,6 @@ def test_without_a_tokenizer_only_loss_is_reported(tmp_path):
 
 
 # -- end to end: attnres-prepare, attnres-run data=tokens, mode=eval, mode=sample ---------------------
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    import os
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.slow
 def test_prepare_train_eval_sample_through_the_cli(tmp_path):
     from attnres.training.data import prepare
@@ -298,10 +289,9 @@ def test_prepare_train_eval_sample_through_the_cli(tmp_path):
         (src / f"f{k}.txt").write_text("".join(f"def f{k}_{j}(x):\n    return x * {j} + {k}\n" for j in range(200)))
     prepare.prepare(str(src), str(tmp_path / "tok"), vocab_size=300, workers=2, val_fraction=0.3, progress=False)
     tiny = ["data=tokens", f"data.path={tmp_path / 'tok'}", "data.block_size=32", "data.batch_size=4",
-            "data.tokens_per_step=256", "data.val_tokens=256", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
-            "residual=block", "num_blocks=2", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
-            "logger=none"]
-    train = _cli("-m", "attnres", *tiny, "trainer.max_steps=6", "trainer.val_check_interval=6", "hydra.run.dir=run",
+            "data.tokens_per_step=256", "data.val_tokens=256", *TINY_MODEL, "residual=block", "num_blocks=2",
+            "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "logger=none"]
+    train = run_cli(*tiny, "trainer.max_steps=6", "trainer.val_check_interval=6", "hydra.run.dir=run",
                  cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -309,27 +299,17 @@ def test_prepare_train_eval_sample_through_the_cli(tmp_path):
     assert {"val/bpb", "val/loss", "train/bpb"} <= set(metrics["metrics"])
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     data = [a for a in tiny if a.startswith("data.") or a == "data=tokens"]
-    ev = _cli("-m", "attnres", "mode=eval", f"ckpt_path={ckpt}", *data, "hydra.run.dir=ev", cwd=tmp_path)
+    ev = run_cli("mode=eval", f"ckpt_path={ckpt}", *data, "hydra.run.dir=ev", cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
     scored = json.loads((tmp_path / "ev" / "eval.json").read_text())["metrics"]
     assert scored["val/bpb"] == pytest.approx(metrics["metrics"]["val/bpb"], rel=1e-6)  # the same weights, data
-    sample = _cli("-m", "attnres", "mode=sample", f"ckpt_path={ckpt}", *data, "sample.prompt=def",
+    sample = run_cli("mode=sample", f"ckpt_path={ckpt}", *data, "sample.prompt=def",
                   "sample.max_new_tokens=12", "sample.num_samples=2", "hydra.run.dir=sa", cwd=tmp_path)
     assert sample.returncode == 0, sample.stderr[-3000:]
     samples = json.loads((tmp_path / "sa" / "samples.json").read_text())["samples"]
     assert len(samples) == 2 and all(s.startswith("def") for s in samples)
-    bad = _cli("-m", "attnres", *tiny, "data.tokens_per_step=100", "trainer.max_steps=2", "hydra.run.dir=bad",
+    bad = run_cli(*tiny, "data.tokens_per_step=100", "trainer.max_steps=2", "hydra.run.dir=bad",
                cwd=tmp_path)
     assert bad.returncode == 2 and "not a multiple of batch_size x block_size x devices" in bad.stderr
 
 
-def test_flops_per_token_by_hand_and_no_mfu_on_cpu():
-    from attnres.model import Transformer
-    from attnres.training.lit import flops_per_token, peak_flops
-
-    m = Transformer(vocab_size=300, n_layer=3, n_head=2, n_embd=32, block_size=64)
-    per_layer = 3 * 32 * 32 + 32 * 32 + 2 * 4 * 32 * 32 + 2 * 32  # qkv, proj, MLP up and down, two norm gains
-    non_embedding = 3 * per_layer + 32  # and the final norm
-    assert m.num_parameters(exclude_embedding=True) == non_embedding
-    assert flops_per_token(m, 64) == 6 * (non_embedding + 300 * 32) + 12 * 3 * 64 * 32
-    assert peak_flops(torch.device("cpu")) is None

@@ -1,0 +1,22 @@
+"""Run-folder names (attnres/config/naming.py): one flat, bounded, stable name per job, whatever
+paths its override values hold."""
+
+from __future__ import annotations
+
+from attnres.config.naming import run_id
+
+
+def test_run_id_is_one_flat_bounded_stable_name():
+    assert run_id("") == "defaults"
+    assert run_id("residual=block,seed=1") == "residual=block,seed=1"  # plain names are kept
+    a = run_id("data.path=/data/a/corpus.txt,seed=0")
+    b = run_id("data.path=/data/b/corpus.txt,seed=0")
+    assert a != b and a == run_id("data.path=/data/a/corpus.txt,seed=0")
+    assert a.startswith("data.path=corpus.txt-") and a.endswith(",seed=0")
+    for name in (a, b, run_id("data.cache_dir=/tmp/x"), run_id("ckpt_path=../up/last.ckpt"),
+                 run_id("x=[a/b,c/d],y=/"), run_id("k=./.hidden"), run_id("model/attn=flash")):
+        assert "/" not in name and not name.startswith(".") and name not in (".", ".."), name
+    long = run_id(",".join(f"key{i}=value{i}" for i in range(60)))
+    longer = run_id(",".join(f"key{i}=value{i}" for i in range(61)))
+    assert len(long.encode()) <= 200 and len(longer.encode()) <= 200 and long != longer
+    assert long.startswith("key0=value0,key1=value1")

@@ -1,0 +1,38 @@
+"""Sweep summaries (attnres/results/summary.py, attnres/results/summary_figure.py, and the sweep's
+end-of-sweep callback attnres/sweep/callback.py): statuses counted whole, unfinished jobs counted,
+nested folders found, experiments/summarize.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from attnres.results.summary import format_counts, status_counts
+from tests.helpers import REPO, run_script
+
+
+def test_statuses_with_spaces_are_counted_whole():
+    counts = status_counts(["finished", "timed out", "timed out", "not finished", "duplicate of seed=0"])
+    assert counts == {"finished": 1, "timed out": 2, "not finished": 1, "duplicate": 1}
+    assert format_counts(counts) == "5 jobs, 1 finished, 2 timed out, 1 duplicate, 1 not finished"
+
+
+def _fake_job(folder: Path, overrides: list[str], metrics: dict | None) -> None:
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (folder / ".hydra" / "config.yaml").write_text("seed: 0\nresidual: {}\n")
+    if metrics is not None:
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_summarize_counts_unfinished_jobs_and_finds_nested_folders(tmp_path):
+    sweep = tmp_path / "sweep"
+    _fake_job(sweep / "seed=0", ["seed=0"], {"status": "finished", "metrics": {"val/loss": 1.0}})
+    _fake_job(sweep / "seed=1", ["seed=1"], None)  # never got to write metrics.json
+    _fake_job(sweep / "data.path=" / "tmp" / "x", ["seed=2", "data.path=/tmp/x"], {"status": "failed"})  # old naming
+    result = run_script("experiments/summarize.py", str(sweep), cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "3 jobs, 1 finished, 1 failed, 1 unfinished" in result.stdout.splitlines()[0], result.stdout
+    header = next(line for line in (sweep / "summary.md").read_text().splitlines() if line.startswith("3 jobs"))
+    assert header.startswith("3 jobs: 1 finished, 1 failed, 1 unfinished."), header
+    assert "not" not in header.split(".")[0]

@@ -1,0 +1,103 @@
+"""The TensorBoard side of a run (attnres/training/tensorboard.py), on the shared CLI runs: the
+HParams table with the final metrics and every column filled, runs named by their folders, and the
+scalars that open on the losses."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.helpers import RUN_N_LAYER as N_LAYER
+from tests.helpers import RUN_NUM_BLOCKS as N
+from tests.helpers import RUN_STEPS as STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["standard", "block"])
+def test_hparams_with_final_metrics(strategy_events, strategy_runs, residual):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = strategy_events[residual]
+    content = acc.PluginTagToContent("hparams")
+    assert set(content) == {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    hp = start.hparams
+    assert hp["residual"].string_value == residual
+    assert hp["n_layer"].number_value == N_LAYER and hp["seed"].number_value == 0 and hp["lr"].number_value == 3e-3
+    assert hp["model"].string_value == "tiny" and hp["parameters"].number_value > 0
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {"residual", "num_blocks", "n_layer", "n_embd", "seed", "lr", "query_lr_scale"} <= {
+        h.name for h in experiment.hparam_infos}
+    assert {"Val/loss", "Val/accuracy"} <= {m.name.tag for m in experiment.metric_infos}
+    end = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_end_info"]).session_end_info
+    assert end.status == 1  # STATUS_SUCCESS
+    # TensorBoard fills the metric columns with each tag's last value: the final validation
+    final = json.loads((strategy_runs[residual].dir / "metrics.json").read_text())["metrics"]
+    assert acc.Scalars("Val/loss")[-1].value == pytest.approx(final["val/loss"])
+    assert acc.Scalars("Val/loss")[-1].step >= STEPS - 1  # the validation after the last step
+
+
+def _hparams(acc):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = acc.PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    return experiment, start.hparams
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["standard", "full", "block"])
+def test_hparams_declare_only_metrics_the_run_logs(strategy_events, residual):
+    acc = strategy_events[residual]
+    experiment, _ = _hparams(acc)
+    declared = [m.name.tag for m in experiment.metric_infos]
+    assert set(declared) <= set(acc.Tags()["scalars"])  # every metric column has values
+    assert declared == ["Val/loss", "Val/accuracy", "Train/loss"]  # synthetic data: accuracy, no bpb
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["standard", "full", "block"])
+def test_hparams_columns_are_filled_and_the_swept_ones_shown(strategy_events, residual):
+    experiment, hp = _hparams(strategy_events[residual])
+    declared = {h.name for h in experiment.hparam_infos}
+    assert declared == set(hp)  # no run leaves a column empty (TensorBoard drops it from the parallel coordinates)
+    assert all(v.WhichOneof("kind") is not None for v in hp.values())
+    assert hp["num_blocks"].number_value == (N if residual == "block" else 0)
+    assert {h.name for h in experiment.hparam_infos if h.differs} == {"residual", "num_blocks", "seed"}
+
+
+@pytest.mark.slow
+def test_tensorboard_names_runs_by_their_folders(strategy_runs):
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    sweep = strategy_runs["standard"].dir.parent  # the runs' common folder
+    for name in strategy_runs:
+        assert list((sweep / name).glob("events.out.tfevents.*")) and not (sweep / name / "tb").exists()
+        assert not (sweep / name / "hparams.yaml").exists()
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(sweep))
+    mux.Reload()
+    assert set(mux.Runs()) == set(strategy_runs)  # run names are the run folders: no trailing /tb
+    assert set(mux.PluginRunToTagToContent("hparams")) == {"standard", "full", "block"}  # HParams finds them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["standard", "full", "block", "no_callbacks"])
+def test_scalars_open_on_the_losses(strategy_events, residual):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    acc = strategy_events[residual]
+    scalars = acc.Tags()["scalars"]
+    assert "epoch" not in scalars and not any(t.startswith(("train/", "val/")) for t in scalars)
+    groups = list(dict.fromkeys(t.split("/", 1)[0] for t in sorted(scalars)))  # TensorBoard's order of groups
+    assert groups[:2] == ["Train", "Val"] and len(groups) > 2
+    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    first = layout.category[0]
+    regexes = [c.multiline.tag[0] for c in first.chart]
+    assert regexes == ["^Train/loss$", "^Val/loss$", "^Val/accuracy$"]
+    assert [c.title for c in first.chart] == ["Train/loss", "Val/loss", "Val/accuracy"]
+    for regex in regexes:
+        assert [t for t in scalars if re.match(regex, t)]  # every chart has a line
