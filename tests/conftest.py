@@ -26,7 +26,7 @@ from tests import helpers
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Sweeps claim device slots in a lock folder shared by every sweep of the user (sweep.py), so a
+# Sweeps claim device slots in a lock folder shared by every sweep of the user (attnres/sweep/slots.py), so a
 # sweep the user runs beside the tests would hold the tests' slots and stall them: the tests'
 # sweeps (subprocesses inherit this) get a folder of their own unless a test names one.
 if "ATTNRES_LOCK_DIR" not in os.environ:

@@ -192,7 +192,7 @@ def test_a_second_sweep_into_the_same_folder_is_refused(tmp_path):
 # -- 12: an empty sweep ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_an_empty_sweep_is_an_error(tmp_path):
-    # the command-line checks (validate.py) refuse it first; the launcher refuses what gets past them
+    # the command-line checks (attnres/config) refuse it first; the launcher refuses what gets past them
     result = run_cli("-m", *SYNTHETIC, "seed=range(0,0)", "hydra.sweep.dir=sweep",
                          f"hydra.launcher.lock_dir={tmp_path}/locks", cwd=tmp_path)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
