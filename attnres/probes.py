@@ -69,6 +69,7 @@ Batch = tuple[Tensor, Tensor]
 class ProbesStopped(RuntimeError):  # noqa: N818  (a request to stop, not a failure)
     """`should_stop` said so between two passes: nothing was measured."""
 
+
 def _loss_sums(model: nn.Module, inputs: Tensor, targets: Tensor, copies: int = 1) -> tuple[Tensor, int]:
     """Per copy, the summed cross-entropy over scored tokens, (K,) float64; and the tokens scored."""
     if copies > 1:

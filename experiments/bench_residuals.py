@@ -181,7 +181,6 @@ def strategy_factory(name: str, args: argparse.Namespace):
     raise ValueError(f"unknown strategy {name!r}; choose from standard, block, full")
 
 
-
 def saved_forward_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> int:
     """Bytes of the distinct storages autograd saves for the backward of `forward()` (each
     storage counted once, `model`'s parameters left out)."""
@@ -198,6 +197,7 @@ def saved_forward_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tens
         out = forward()
     del out  # the graph (and the saved tensors) could be freed only now
     return sum(saved.values())
+
 
 class Case:
     """One strategy: model, optimizer, data, and its step functions (eager or compiled)."""

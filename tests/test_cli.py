@@ -106,7 +106,6 @@ def test_bad_input_one_line(tmp_path, args, expected):
         assert fragment in line, line
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("args", "expected"), _rows(THROUGH_CLI))
 def test_mistake_through_cli(tmp_path, args, expected):
@@ -133,7 +132,6 @@ def test_refused_command_leaves_no_folder(tmp_path):
     result = run_cli(*tiny(), f"ckpt_path={garbage}", cwd=tmp_path)
     assert result.returncode == 2 and "corrupt" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "outputs").exists(), list((tmp_path / "outputs").rglob("*"))
-
 
 
 # -- packaging ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from attnres.config.errors import ConfigError
 
 GROUPS_CHECKED = ("residual", "model", "data", "trainer", "optim", "logger", "callbacks", "experiment", "debug")
 
+
 # == 1. the shape of the command line =================================================================
 def check_command_line(argv: list[str], conf_dir: Path) -> None:
     """Everything that can be checked before Hydra runs: the arguments, and the config of
@@ -155,8 +156,6 @@ def check_group_choices(argv: list[str], conf_dir: Path) -> None:
                 hint = difflib.get_close_matches(value, choices, n=1)
                 maybe = f" (did you mean {hint[0]}?)" if hint else ""
                 raise ConfigError(f"unknown {key} '{value}'{maybe}; choose one of: {', '.join(choices)}")
-
-
 
 
 def config_folder(args: Any, conf_dir: Path) -> Path:

@@ -24,6 +24,8 @@ from attnres.config.rules import typed_keys
 #: value's type; smaller sweeps have every job checked
 MAX_JOBS_CHECKED = 256
 HYDRA_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
 # == 2. every job's config ========================================================================
 @contextlib.contextmanager
 def hydra_on(conf_dir: Path) -> Iterator[None]:

@@ -21,6 +21,7 @@ from attnres.functional import KERNELS
 
 ABSENT = object()
 
+
 # == validate_config: the values of one job =========================================================
 def value_at(cfg: DictConfig, key: str) -> Any:
     """The resolved value at `key`, or ABSENT; a broken interpolation is one line."""

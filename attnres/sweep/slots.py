@@ -38,6 +38,7 @@ PARENT_ENV = "ATTNRES_JOB_PARENT"  # a job process's worker, read by the job pro
 FAKE_GPUS_ENV = "ATTNRES_FAKE_GPUS"  # tests: pretend there are this many GPUs (jobs still use the CPU)
 SWEEP_LOCK = ".sweep.lock"
 
+
 @dataclass(frozen=True)
 class Slot:
     """One place a job can run: a GPU (`device` is its CUDA_VISIBLE_DEVICES entry) or a CPU share."""

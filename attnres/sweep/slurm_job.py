@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 #: $SUBMITIT_PREEMPT_SIGNAL) and Lightning's (USR1); both stop training with a checkpoint
 PREEMPT_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1)
 MARKER = "slurm.json"  # in a run folder: the SLURM job that last ran there
+
+
 # -- in the job: a requeued job continues its own run ---------------------------------------------------
 def current_job_id() -> str | None:
     """This SLURM task's id as submitit and sacct name it (`12_3` in an array), or None outside SLURM."""

@@ -53,7 +53,6 @@ _QUIET = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.f
 logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: not str(r.msg).startswith(_QUIET))
 
 
-
 def finished_already(run_dir: Path, ckpt: str, max_steps: Any) -> dict | None:
     """`resume=true` on a run that finished at its `max_steps`: nothing to train, and its checkpoint
     and metrics.json stay as they are (a resume would rewrite them without the training figures).
