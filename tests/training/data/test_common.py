@@ -8,10 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import pytorch_lightning as pl
 import torch
 
-from tests.training.data.conftest import batches, same, synthetic_module, text_module
+from tests.training.data.conftest import batches, fit_recording, same, synthetic_module, text_module
 
 
 @pytest.mark.parametrize("kind", ["text", "synthetic"])
@@ -64,29 +63,8 @@ def test_ranks_split_one_stream(text_dm):
     assert len(serial) == 8
 
 
-class _Recorder(pl.LightningModule):
-    """Sees batches, records the first input token of each, learns nothing of interest."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[list[int]] = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch[0][:, :4].flatten().tolist())
-        return (self.weight * batch[0].float().mean()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
 def _fit(max_steps: int, root: Path, ckpt: str | None = None) -> list[list[int]]:
-    model = _Recorder()
-    trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=2, default_root_dir=root, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True)])
-    trainer.fit(model, datamodule=synthetic_module(), ckpt_path=ckpt)
-    return model.seen
+    return fit_recording(synthetic_module, max_steps, root, ckpt)
 
 
 @pytest.mark.filterwarnings("ignore:.*no `validation_step`", "ignore:.*LeafSpec", "ignore:Checkpoint directory")

@@ -15,6 +15,7 @@ from attnres.config.errors import ConfigError
 from attnres.training.data.tokens import HEADER_BYTES, TokensDataModule, token_byte_lengths, write_shard
 from attnres.training.lit import LitLanguageModel
 from tests.helpers import TINY_MODEL, run_cli
+from tests.training.data.conftest import fit_recording
 
 
 def make_folder(root: Path, dtype=np.uint16, headered=True, vocab=1000, shards=(3000, 2000), val=1500,
@@ -172,27 +173,8 @@ def test_tokens_per_step_sets_the_accumulation(tmp_path):
         module(root, tmp_path, tokens_per_step=1000).accumulation(world_size=1)
 
 
-class _Recorder(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[list[int]] = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch[0][:, :4].flatten().tolist())
-        return (self.weight * batch[0].float().mean()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
 def _fit(root: Path, tmp: Path, max_steps: int, out: Path, ckpt: str | None = None) -> list[list[int]]:
-    model = _Recorder()
-    trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=2, default_root_dir=out, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out, save_last=True)])
-    trainer.fit(model, datamodule=module(root, tmp), ckpt_path=ckpt)
-    return model.seen
+    return fit_recording(lambda: module(root, tmp), max_steps, out, ckpt)
 
 
 @pytest.mark.filterwarnings("ignore:.*no `validation_step`", "ignore:.*LeafSpec", "ignore:Checkpoint directory")
