@@ -87,16 +87,18 @@ def refuse_other_computation(path: str | Path, recorded: dict[str, Any] | None, 
     )
 
 
-def recorded_computation(path: str | Path, run_config: bool = True) -> dict[str, Any] | None:
+def recorded_computation(path: str | Path, run_config: bool = True, loaded: Any = None) -> dict[str, Any] | None:
     """What the checkpoint at `path` computed: its own record, else (with `run_config`) the
     `.hydra/config.yaml` of the run folder that holds it; None when neither says (or it is unreadable:
-    the checkpoint's own check says so)."""
-    import torch  # a checkpoint is a torch file; mmap reads only what is asked for
+    the checkpoint's own check says so). `loaded`: the checkpoint, when the caller has read it already."""
+    ckpt = loaded
+    if ckpt is None:
+        import torch  # a checkpoint is a torch file; mmap reads only what is asked for
 
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # unreadable: `check_checkpoint` words that, with the file's name
-        return None
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception:  # unreadable: `check_checkpoint` words that, with the file's name
+            return None
     record = ckpt.get("attnres", {}).get("config") if isinstance(ckpt, dict) else None
     if record is not None or not run_config:
         return record

@@ -71,8 +71,8 @@ def load_checkpoint(path: str | Path) -> Any:
         raise ConfigError(f"checkpoint {path} is corrupt or not a checkpoint ({type(err).__name__}: {err})") from err
 
 
-def check_checkpoint(path: str, module: pl.LightningModule) -> None:
-    """Fail early, in one line, on a checkpoint that is unreadable or for another model."""
+def check_checkpoint(path: str, module: pl.LightningModule) -> dict[str, Any]:
+    """Fail early, in one line, on a checkpoint that is unreadable or for another model; returns it."""
     ckpt = load_checkpoint(path)
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
     if state is None:
@@ -93,6 +93,7 @@ def check_checkpoint(path: str, module: pl.LightningModule) -> None:
                 f"checkpoint {path} does not match this model: {key} is {tuple(state[key].shape)} there "
                 f"but {tuple(value.shape)} here; resume with the config it was trained with"
             )
+    return ckpt
 
 
 def checkpoint_step(path: str | Path) -> int | None:

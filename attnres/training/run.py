@@ -105,10 +105,11 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         )
         module.run_config = computation(cfg)
         if ckpt:
-            check_checkpoint(ckpt, module)
+            loaded = check_checkpoint(ckpt, module)
             # Hydra has rewritten this run's .hydra/ by now: only another run's folder still tells
             elsewhere = Path(ckpt).resolve().parent.parent != run_dir.resolve()
-            refuse_other_computation(ckpt, recorded_computation(ckpt, run_config=elsewhere), module.run_config)
+            recorded = recorded_computation(ckpt, run_config=elsewhere, loaded=loaded)
+            refuse_other_computation(ckpt, recorded, module.run_config)
         loggers = [instantiate(c) for c in cfg.logger.values()]
         callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [stop]
         if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
