@@ -1,0 +1,232 @@
+"""`attnres-export RUN_DIR OUT_DIR`: a finished run as a Hugging Face model folder.
+
+    attnres-export outputs/default/<run> hf-model         # then, in Python:
+    import attnres.hf; AutoModelForCausalLM.from_pretrained("hf-model")
+
+OUT_DIR gets `model.safetensors` (the checkpoint's weights; a tied LM head is stored once),
+`config.json` (`attnres.hf.AttnResConfig`: the Transformer's arguments and the residual strategy,
+from the run's `.hydra/config.yaml`), `generation_config.json` and the tokenizer: byte-level for
+byte data, the run's `tokenizer.json` for token data (none for the synthetic task). The folder is
+written beside OUT_DIR under a temporary name and renamed into place, so it is whole or absent.
+
+Refused in one line, exit status 2, with nothing written: a folder that is not a run, a run that
+is still running (its `.run.lock` is held), failed or never ended (no `metrics.json`), a run
+without the checkpoint asked for, a damaged checkpoint, and an existing OUT_DIR without `--overwrite`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from attnres.atomic import read_json
+from attnres.config.errors import ConfigError
+from attnres.config.moved import update_moved_targets
+
+PROG = "attnres-export"
+
+
+def is_running(run_dir: Path) -> bool:
+    """Whether a process holds the run's lock (`faults.RunLock`; the kernel frees it when the holder dies)."""
+    lock = run_dir / ".run.lock"
+    if not lock.is_file():
+        return False
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
+
+
+def check_run(run_dir: Path, which: str) -> tuple[DictConfig, dict[str, Any], Path]:
+    """(the run's config, its metrics.json, the checkpoint) of a run that may be exported."""
+    saved = run_dir / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} is not a run folder (no .hydra/config.yaml); pass the folder attnres-run wrote")
+    if is_running(run_dir):
+        raise ConfigError(f"{run_dir} is still running (another process holds {run_dir / '.run.lock'}); "
+                          "export it once it has finished")
+    summary = read_json(run_dir / "metrics.json")
+    status = summary.get("status")
+    if status is None:
+        raise ConfigError(f"{run_dir} never ended (no metrics.json): it was killed or is starting; finish it "
+                          f"with attnres-run resume=true (in the same folder), then export it")
+    if status == "failed":
+        raise ConfigError(f"{run_dir} failed ({summary.get('error') or 'see its attnres.log'}); export a run that "
+                          "finished, or train it again (overwrite=true)")
+    ckpt = run_dir / "checkpoints" / f"{which}.ckpt"
+    if not ckpt.is_file():
+        raise ConfigError(f"{run_dir} has no checkpoints/{which}.ckpt to export; "
+                          + ("try --checkpoint best" if which == "last" else "try --checkpoint last"))
+    cfg = OmegaConf.load(saved)
+    update_moved_targets(cfg)
+    return cfg, summary, ckpt
+
+
+def model_spec(cfg: DictConfig, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the Transformer's keyword arguments, the residual spec) of the run, resolved."""
+    from attnres.hf.configuration import locate
+    from attnres.model import Transformer
+
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    target = model.pop("_target_", None)
+    if not isinstance(target, str) or not (isinstance(cls := locate(target), type) and issubclass(cls, Transformer)):
+        raise ConfigError(f"model._target_={target} is not attnres.Transformer: only its models export")
+    model.pop("_partial_", None)
+    embed = state.get("model.embed.weight")
+    if embed is None:
+        raise ConfigError("the checkpoint holds no model.embed.weight; it was not written by attnres-run")
+    residual = OmegaConf.to_container(cfg.residual, resolve=True) if cfg.get("residual") else None
+    return {**model, "vocab_size": int(embed.shape[0])}, residual
+
+
+def tokenizer_of(cfg: DictConfig, given: str | None) -> tuple[Any, str]:
+    """(a `tokenizers.Tokenizer` or None, where it came from) for the run's data."""
+    from tokenizers import Tokenizer
+
+    from attnres.hf.configuration import locate
+    from attnres.hf.tokenization import byte_tokenizer
+
+    if given:
+        if not Path(given).is_file():
+            raise ConfigError(f"--tokenizer {given} is not a file; pass a tokenizer.json")
+        return Tokenizer.from_file(given), given
+    data = cfg.get("data") or {}
+    try:
+        cls = locate(str(data.get("_target_")))
+    except ValueError:
+        cls = None
+    from attnres.training.data.bytes import BytesDataModule
+    from attnres.training.data.tokens import TokensDataModule
+
+    if isinstance(cls, type) and issubclass(cls, BytesDataModule):
+        return byte_tokenizer(), "byte-level (token i = byte i of UTF-8 text)"
+    if isinstance(cls, type) and issubclass(cls, TokensDataModule):
+        # where TokensDataModule looks: data.tokenizer, meta.json's tokenizer_file, tokenizer.json in data.path
+        folder = Path(os.path.expanduser(os.path.expandvars(str(data.get("path") or "."))))
+        meta = read_json(folder / "meta.json")
+        candidates = [data.get("tokenizer"), meta.get("tokenizer_file") and folder / meta["tokenizer_file"],
+                      folder / "tokenizer.json"]
+        for file in (Path(os.path.expanduser(str(c))) for c in candidates if c):
+            if file.is_file():
+                return Tokenizer.from_file(str(file)), str(file)
+        return None, f"none: no tokenizer.json found for data.path={folder} (pass --tokenizer FILE to add one)"
+    return None, f"none: {data.get('_target_')} has no text tokenizer (pass --tokenizer FILE to add one)"
+
+
+def write_export(cfg: DictConfig, ckpt: Path, out: Path, tokenizer: str | None) -> dict[str, Any]:
+    """Write the Hugging Face folder for the run's checkpoint into `out` (a new folder)."""
+    from transformers import GenerationConfig
+
+    from attnres.hf import AttnResConfig, AttnResForCausalLM
+    from attnres.hf.tokenization import save_tokenizer
+    from attnres.training.checkpoints import load_checkpoint
+
+    loaded = load_checkpoint(ckpt)
+    state = loaded.get("state_dict") if isinstance(loaded, dict) else None
+    if not isinstance(state, dict):
+        raise ConfigError(f"checkpoint {ckpt} has no 'state_dict'; it was not written by attnres-run")
+    transformer, residual = model_spec(cfg, state)
+    config = AttnResConfig(transformer=transformer, residual=residual)
+    model = AttnResForCausalLM(config)
+    weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    try:
+        model.transformer.load_state_dict(weights, strict=True)
+    except RuntimeError as err:
+        raise ConfigError(f"checkpoint {ckpt} does not match the model its run's config describes "
+                          f"({str(err).splitlines()[0]}); export it from its own run folder") from err
+    tok, source = tokenizer_of(cfg, tokenizer)
+    if tok is not None and tok.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise ConfigError(f"the tokenizer {source} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the "
+                          f"model {config.vocab_size}; pass the tokenizer the run was trained with (--tokenizer FILE)")
+    out.mkdir(parents=True)
+    special = save_tokenizer(tok, out, config.max_position_embeddings) if tok is not None else {}
+    model.generation_config = GenerationConfig(**special)
+    model.save_pretrained(str(out))
+    dtype = next(model.parameters()).dtype
+    return {"parameters": model.transformer.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
+            "residual": (residual or {}).get("_target_", "attnres.StandardResidual"), "tokenizer": source,
+            "step": loaded.get("global_step"), "vocab_size": config.vocab_size,
+            "tied": bool(config.tie_word_embeddings)}
+
+
+def export(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False, checkpoint: str = "last",
+           tokenizer: str | None = None) -> dict[str, Any]:
+    """Export the run in `run_dir` to `out_dir`; returns what was written. Raises ConfigError (one
+    line) on a refusal, before anything is written."""
+    run_dir, out = Path(run_dir).expanduser(), Path(out_dir).expanduser()
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a folder; pass the run folder attnres-run wrote (outputs/<name>/<run>)")
+    if out.exists() and not (overwrite and out.is_dir()):
+        raise ConfigError(f"{out} exists; pass --overwrite to replace it, or another OUT_DIR" if out.is_dir()
+                          else f"{out} is a file; pass another OUT_DIR")
+    if out.resolve() == run_dir.resolve() or run_dir.resolve().is_relative_to(out.resolve()):
+        raise ConfigError(f"OUT_DIR {out} would replace the run itself; pass another OUT_DIR")
+    cfg, summary, ckpt = check_run(run_dir, checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}.tmp"
+    aside = out.parent / f".{out.name}.replaced-{os.getpid()}.tmp"
+    try:
+        info = write_export(cfg, ckpt, tmp, tokenizer)
+        if out.exists():
+            os.replace(out, aside)
+        os.replace(tmp, out)
+    finally:
+        for leftover in (tmp, aside):
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(leftover)
+    return {**info, "run": str(run_dir), "checkpoint": str(ckpt), "out": str(out), "status": summary.get("status"),
+            "metrics": summary.get("metrics") or {}}
+
+
+def describe(info: dict[str, Any]) -> str:
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in info["metrics"].items()
+                      if k.startswith("val/") and isinstance(v, (int, float)))
+    status = info["status"] + (f" at step {info['step']}" if info.get("step") is not None else "")
+    return "\n".join([
+        f"exported {info['checkpoint']} ({status}{'; ' + shown if shown else ''})",
+        f"  model        {info['out']}  ({info['parameters']:,} parameters, {info['dtype']}, "
+        f"{info['residual'].rsplit('.', 1)[-1]}, vocabulary {info['vocab_size']:,}"
+        f"{', tied embeddings' if info['tied'] else ''})",
+        f"  tokenizer    {info['tokenizer']}",
+        f"  load it      import attnres.hf; AutoModelForCausalLM.from_pretrained({json.dumps(info['out'])})",
+    ])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=PROG, description="Export an attnres-run run as a Hugging Face model "
+                                     "folder (safetensors, config.json, generation_config.json, tokenizer).")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (outputs/<name>/<run>)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (must not exist)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--checkpoint", choices=("last", "best"), default="last",
+                        help="which checkpoint of the run (default: last)")
+    parser.add_argument("--tokenizer", metavar="FILE", default=None,
+                        help="a tokenizer.json to ship instead of the run's own")
+    args = parser.parse_args(argv)
+    try:
+        info = export(args.run_dir, args.out_dir, overwrite=args.overwrite, checkpoint=args.checkpoint,
+                      tokenizer=args.tokenizer)
+    except ConfigError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except ImportError as err:
+        print(f"{PROG}: error: {err.name or err} is not installed; pip install 'attnres[hf]'", file=sys.stderr)
+        sys.exit(2)
+    print(describe(info))
+
+
+if __name__ == "__main__":
+    main()
