@@ -38,7 +38,8 @@ class CacheView:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         keys, values = self.cache.update(k, v, layer)
         if keys.shape[2] != self.pos + k.shape[2]:
-            raise ValueError(f"the cache returned {keys.shape[2]} positions where {self.pos + k.shape[2]} were written; "
+            written = self.pos + k.shape[2]
+            raise ValueError(f"the cache returned {keys.shape[2]} positions where {written} were written; "
                              "attnres models decode with a DynamicCache (generate's default, "
                              "cache_implementation='dynamic'), not a static or sliding one")
         return keys, values
