@@ -2,11 +2,13 @@
 
     attnres-run mode=eval ckpt_path=RUN/checkpoints/last.ckpt [data=... data.path=...]
     attnres-run mode=sample ckpt_path=RUN/checkpoints/last.ckpt sample.prompt='def main' [data=...]
+    attnres-run mode=eval ckpt_path=HF_DIR                     (a folder written by attnres-export)
 
 The model and residual strategy are the checkpoint's own: read from `.hydra/config.yaml` of the
 run folder that holds it (`RUN/checkpoints/x.ckpt` -> `RUN/.hydra/config.yaml`), else from this
-command's config. The data is this command's, so any checkpoint can be scored on any data that
-uses its tokenizer (same vocabulary). `mode=eval` validates once and writes `eval.json` in the
+command's config; an exported folder holds its own (read with `attnres.hf`, the hf extra). The
+data is this command's, so any checkpoint can be scored on any data that uses its tokenizer
+(same vocabulary). `mode=eval` validates once and writes `eval.json` in the
 run folder; `mode=sample` writes `samples.txt` there and prints the samples.
 """
 
@@ -22,7 +24,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from attnres.atomic import write_json
+from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError
 from attnres.training.checkpoints import check_checkpoint, load_checkpoint
 from attnres.training.devices import resolve_precision
@@ -47,8 +49,11 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Path]:
     if not cfg.get("ckpt_path"):
         raise ConfigError(f"mode={cfg.mode} needs a checkpoint: set ckpt_path=<RUN/checkpoints/last.ckpt>")
     ckpt = Path(str(cfg.ckpt_path)).expanduser()
+    if ckpt.is_dir() and (ckpt / "config.json").is_file():
+        return build_exported(cfg, ckpt)
     if not ckpt.is_file():
-        raise ConfigError(f"ckpt_path={ckpt} is not a file; pass the path of a .ckpt written by attnres-run")
+        raise ConfigError(f"ckpt_path={ckpt} is not a file; pass the path of a .ckpt written by attnres-run "
+                          "(or a folder written by attnres-export)")
     trained = checkpoint_config(ckpt)
     if trained is not None:  # its own shape and strategy; this command's data
         with open_dict(cfg):
@@ -69,6 +74,37 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Path]:
     check_checkpoint(str(ckpt), module)
     module.load_state_dict(state["state_dict"])
     return datamodule, module, ckpt
+
+
+def exported_model(folder: Path) -> Any:
+    """The `attnres.Transformer` of a folder written by attnres-export (`attnres.hf`, the hf extra)."""
+    model_type = read_json(folder / "config.json").get("model_type")
+    if model_type != "attnres":
+        raise ConfigError(f"ckpt_path={folder} holds a {model_type or 'non-'} Hugging Face model, not an attnres one; "
+                          "pass a folder written by attnres-export, or a .ckpt")
+    try:
+        from attnres.hf import AttnResForCausalLM
+    except ImportError as err:
+        raise ConfigError(f"ckpt_path={folder} is a Hugging Face model folder; reading it needs transformers: "
+                          "pip install 'attnres[hf]'") from err
+    try:
+        return AttnResForCausalLM.from_pretrained(str(folder)).transformer
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"ckpt_path={folder} cannot be loaded ({err}); export the run again with attnres-export") \
+            from err
+
+
+def build_exported(cfg: DictConfig, folder: Path) -> tuple[Any, Any, Path]:
+    """`build` for a folder written by attnres-export: its model and weights, this command's data."""
+    model = exported_model(folder)
+    log.info(f"model, residual strategy and weights from {folder} (attnres-export)")
+    datamodule = instantiate(cfg.data)
+    if model.vocab_size != datamodule.vocab_size:
+        raise ConfigError(f"the model in {folder} has a vocabulary of {model.vocab_size} tokens but the data has "
+                          f"{datamodule.vocab_size}; use data tokenized as it was trained (data=..., data.path=...)")
+    module = LitLanguageModel(model, optimizer=instantiate(cfg.optim.optimizer), metric=datamodule.metric,
+                              seed=cfg.seed)
+    return datamodule, module, folder
 
 
 def run_mode(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:

@@ -28,7 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from attnres.atomic import read_json
+from attnres.atomic import FILE_MODE, read_json
 from attnres.config.errors import ConfigError
 from attnres.config.moved import update_moved_targets
 
@@ -89,6 +89,8 @@ def model_spec(cfg: DictConfig, state: dict[str, Any]) -> tuple[dict[str, Any], 
     if embed is None:
         raise ConfigError("the checkpoint holds no model.embed.weight; it was not written by attnres-run")
     residual = OmegaConf.to_container(cfg.residual, resolve=True) if cfg.get("residual") else None
+    if residual:
+        residual.pop("_partial_", None)  # the Transformer fills in d_model and num_layers
     return {**model, "vocab_size": int(embed.shape[0])}, residual
 
 
@@ -129,6 +131,7 @@ def tokenizer_of(cfg: DictConfig, given: str | None) -> tuple[Any, str]:
 def write_export(cfg: DictConfig, ckpt: Path, out: Path, tokenizer: str | None) -> dict[str, Any]:
     """Write the Hugging Face folder for the run's checkpoint into `out` (a new folder)."""
     from transformers import GenerationConfig
+    from transformers.utils.logging import disable_progress_bar
 
     from attnres.hf import AttnResConfig, AttnResForCausalLM
     from attnres.hf.tokenization import save_tokenizer
@@ -154,7 +157,10 @@ def write_export(cfg: DictConfig, ckpt: Path, out: Path, tokenizer: str | None) 
     out.mkdir(parents=True)
     special = save_tokenizer(tok, out, config.max_position_embeddings) if tok is not None else {}
     model.generation_config = GenerationConfig(**special)
+    disable_progress_bar()  # "Writing model shards" says nothing here
     model.save_pretrained(str(out))
+    for file in out.iterdir():  # safetensors' own writes are private (0600); these are for sharing
+        os.chmod(file, FILE_MODE)
     dtype = next(model.parameters()).dtype
     return {"parameters": model.transformer.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
             "residual": (residual or {}).get("_target_", "attnres.StandardResidual"), "tokenizer": source,
