@@ -226,8 +226,10 @@ def check_top_level(cfg: DictConfig) -> None:
             raise ConfigError(f"name={_show(name)} is not a folder name; "
                               "set name=<experiment name>, e.g. name=baseline (no '..', not absolute)")
     ckpt = value_at(cfg, "ckpt_path")
-    if ckpt not in (ABSENT, None) and not Path(str(ckpt)).expanduser().is_file():
-        raise ConfigError(f"ckpt_path={ckpt} is not a file; pass the path of a .ckpt written by attnres-run")
+    exported = value_at(cfg, "mode") in ("eval", "sample") and (Path(str(ckpt)).expanduser() / "config.json").is_file()
+    if ckpt not in (ABSENT, None) and not Path(str(ckpt)).expanduser().is_file() and not exported:
+        raise ConfigError(f"ckpt_path={ckpt} is not a file; pass the path of a .ckpt written by attnres-run "
+                          "(mode=eval and mode=sample also take a folder written by attnres-export)")
     if value_at(cfg, "resume") is True and value_at(cfg, "overwrite") is True:
         raise ConfigError("resume=true and overwrite=true contradict each other; pass only one of them")
 
