@@ -17,6 +17,8 @@ import re
 
 from omegaconf import OmegaConf
 
+from attnres.config import costs  # noqa: F401  (registers ${attnres.steps:...} too, which experiments use)
+
 MAX_BYTES = 200  # well under the 255 bytes most file systems allow in one name
 HASH_CHARS = 8
 # Hydra joins the overrides with "," and writes each as key=value; a value may hold a "," too

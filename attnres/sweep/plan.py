@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attnres.atomic import read_json, write_json
+from attnres.config import costs
 from attnres.config.errors import ConfigError, user_errors
 from attnres.results.summary import collect_rows, status_counts
 from attnres.sweep.slots import lock_sweep_dir
@@ -123,6 +124,8 @@ def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: 
         )
     if check is not None:
         check([config for _, config in to_run])
+    for line in costs.announce(to_run, skipped=len(job_overrides) - len(to_run)):  # experiments with `costs:`
+        print(line, flush=True)
     write_json(sweep_dir / "jobs.json", notes)
     sweep_jobs[folder_key(sweep_dir)] = jobs
     return to_run
