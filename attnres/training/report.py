@@ -25,6 +25,7 @@ from attnres.config.errors import ConfigError
 from attnres.training.checkpoints import describe_checkpoint
 from attnres.training.faults import Interrupted, RunEnded
 from attnres.training.lit import peak_memory_bytes
+from attnres.training.optimizers import describe_optimizer
 
 log = logging.getLogger("attnres")
 
@@ -113,7 +114,7 @@ def config_summary(cfg: DictConfig, info: dict[str, Any]) -> str:
     return (f"{residual}, model {info.get('model')} ({model.get('n_layer')} layers, {model.get('n_embd')} wide, "
             f"{model.get('n_head')} heads), data {info.get('data')} (batch {cfg.data.get('batch_size')} x "
             f"{cfg.data.get('block_size')}), {cfg.trainer.get('max_steps')} steps, "
-            f"lr {cfg.optim.optimizer.get('lr')}, seed {cfg.seed}")
+            f"{describe_optimizer(cfg.optim.optimizer)}, seed {cfg.seed}")
 
 
 def end_interrupted(err: BaseException, stop: Any, trainer: pl.Trainer, module: Any, run_dir: Path,

@@ -1,0 +1,135 @@
+"""Optimisers built from `lit.parameter_groups`: `MuonWithAdamW` (`optim=muon`), Muon on the hidden
+weight matrices and AdamW on everything else, as one `torch.optim.Optimizer`, so that Lightning
+steps, clips, schedules and checkpoints it as it does AdamW alone; and the start line's words for
+an optimiser config (`describe_optimizer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+#: the groups `parameter_groups(..., hidden_matrices=True)` marks for Muon carry this key and value
+MUON_GROUP = ("optimizer", "muon")
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """`torch.optim.Muon` on the parameter groups marked `"optimizer": "muon"` (the 2-D weights of
+    the attention and MLP sublayers), `torch.optim.AdamW` on the others (embeddings, LM head, norms,
+    biases, the residual strategy's parameters), stepped together.
+
+    `lr`, `betas`, `eps` and `weight_decay` are AdamW's; `muon` holds Muon's keyword arguments
+    (`lr`, `momentum`, `nesterov`, `weight_decay`, `ns_steps`, `adjust_lr_fn`). A group's own
+    keys win over both, as in any torch optimiser (the no-decay groups set `weight_decay: 0`).
+
+    `param_groups` lists Muon's groups, then AdamW's: the same dicts the two optimisers step with,
+    so a learning-rate scheduler (and `lr_scale` in `LitLanguageModel`) moves both. `state_dict()`
+    is `{"muon": ..., "adamw": ...}`, each the optimiser's own, so a resumed run continues with
+    Muon's momentum buffers and AdamW's moments exactly where they were.
+    """
+
+    #: `LitLanguageModel` asks `parameter_groups` to mark the hidden matrices for this optimiser
+    hidden_matrices = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1, muon: Mapping[str, Any] | None = None) -> None:
+        groups = [dict(g) if isinstance(g, Mapping) else {"params": [g]} for g in params]
+        key, value = MUON_GROUP
+        matrices = [g for g in groups if g.get(key) == value]
+        others = [g for g in groups if g.get(key) != value]
+        if not matrices:
+            raise ValueError("MuonWithAdamW got no parameter group marked for Muon "
+                             f"({key}: {value}); build the groups with parameter_groups(..., hidden_matrices=True)")
+        self.muon = torch.optim.Muon(matrices, **dict(muon or {}))
+        self.adamw = torch.optim.AdamW(others, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay) \
+            if others else None
+        super().__init__(self._inner_groups(), {})
+        self._link()
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.muon, self.adamw) if o is not None]
+
+    def _inner_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self._optimizers() for g in o.param_groups]
+
+    def _link(self) -> None:
+        """`param_groups` and `state` are the inner optimisers' own (rebuilt after a load, which
+        replaces the inner lists and dicts)."""
+        self.param_groups = self._inner_groups()
+        self.state = _JointState(self._optimizers())  # type: ignore[assignment]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for optimizer in self._optimizers():
+            optimizer.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if set(state_dict) != {"muon", "adamw"}:
+            raise ValueError("this optimiser state is not MuonWithAdamW's (no 'muon' and 'adamw' parts): it was "
+                             "saved by another optimiser; continue it with the optimiser it was trained with")
+        self.muon.load_state_dict(state_dict["muon"])
+        if self.adamw is not None:
+            self.adamw.load_state_dict(state_dict["adamw"])
+        self._link()
+
+    def describe(self) -> str:
+        """Which parameters each optimiser got: counts of tensors and of values, per group."""
+        parts = []
+        for name, optimizer in (("Muon", self.muon), ("AdamW", self.adamw)):
+            if optimizer is None:
+                continue
+            groups = ", ".join(f"{g.get('name', '?')} {len(g['params'])} tensors / "
+                               f"{sum(p.numel() for p in g['params']):,} values at lr {g['lr']:g}"
+                               for g in optimizer.param_groups)
+            parts.append(f"{name}: {groups}")
+        return "optimiser groups: " + "; ".join(parts)
+
+
+class _JointState(MutableMapping):
+    """The per-parameter states of several optimisers as one mapping: a read finds a parameter's
+    state in its own optimiser, a write goes there too (Lightning moves states between devices
+    by writing them back)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def _owner(self, param: Any) -> torch.optim.Optimizer:
+        for optimizer in self.optimizers:
+            if param in optimizer.state or any(p is param for g in optimizer.param_groups for p in g["params"]):
+                return optimizer
+        raise KeyError(param)
+
+    def __getitem__(self, param: Any) -> Any:
+        return self._owner(param).state[param]
+
+    def __setitem__(self, param: Any, value: Any) -> None:
+        self._owner(param).state[param] = value
+
+    def __delitem__(self, param: Any) -> None:
+        del self._owner(param).state[param]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (p for optimizer in self.optimizers for p in optimizer.state)
+
+    def __len__(self) -> int:
+        return sum(len(optimizer.state) for optimizer in self.optimizers)
+
+
+def describe_optimizer(optimizer: Mapping[str, Any]) -> str:
+    """The start line's words for `optim.optimizer`: `lr 0.003`, or for `optim=muon` both rates and
+    the split (`Muon lr 0.003 on hidden matrices, AdamW lr 0.003 on the rest`)."""
+    muon = optimizer.get("muon")
+    if not str(optimizer.get("_target_", "")).endswith("MuonWithAdamW") or not isinstance(muon, Mapping):
+        return f"lr {optimizer.get('lr')}"
+    return (f"Muon lr {muon.get('lr')} on hidden matrices, AdamW lr {optimizer.get('lr')} on embeddings, "
+            "head, norms, biases and residual")
