@@ -37,6 +37,7 @@ from attnres.training.report import (
     share_log_file,
     write_summary,
 )
+from attnres.training.trackers import finish_trackers, make_loggers
 
 log = logging.getLogger("attnres")
 # Lightning 2.6 with torch >= 2.10 warns about its own use of a torch API, once per run,
@@ -110,7 +111,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
             elsewhere = Path(ckpt).resolve().parent.parent != run_dir.resolve()
             recorded = recorded_computation(ckpt, run_config=elsewhere, loaded=loaded)
             refuse_other_computation(ckpt, recorded, module.run_config)
-        loggers = [instantiate(c) for c in cfg.logger.values()]
+        loggers = make_loggers(cfg, run_dir, info)  # trackers get the run folder, its sweep and its hparams
         callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [stop]
         if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
             callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
@@ -140,4 +141,6 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
         events = Path(trainer.logger.log_dir) if trainer.logger is not None and trainer.logger.log_dir else None
         report(end_block(summary, run_dir, events))
+        for line in finish_trackers(trainer.loggers, summary):  # their final numbers, then each run ends
+            report(line)
         return summary
