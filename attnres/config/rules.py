@@ -139,6 +139,15 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "lr": Rule("number", 0, example=3e-3), "weight_decay": Rule("number", 0, example=0.1),
         "eps": Rule("number", 0, example=1e-8), "momentum": Rule("number", 0, example=0.9),
     },
+    ("optim.optimizer", ("attnres.training.optimizers.",)): {  # optim=muon: AdamW's part
+        "lr": Rule("number", 0, example=3e-3), "weight_decay": Rule("number", 0, example=0.1),
+        "eps": Rule("number", 0, example=1e-8),
+    },
+    ("optim.optimizer.muon", ()): {  # optim=muon: torch.optim.Muon's arguments
+        "lr": Rule("number", 0, example=3e-3), "momentum": Rule("number", 0, 1, open_high=True, example=0.95),
+        "weight_decay": Rule("number", 0, example=0.1), "nesterov": BOOL, "ns_steps": Rule("int", 1, 99, example=5),
+        "adjust_lr_fn": Rule("choice", choices=("match_rms_adamw", "original")),
+    },
     ("optim.schedule", ("attnres.training.schedules.",)): {
         "warmup_steps": Rule("int", 0, example=100), "min_lr_ratio": Rule("number", 0, 1, example=0.1),
         "decay_fraction": Rule("number", 0, 1, example=0.2),
@@ -197,12 +206,37 @@ def validate_config(cfg: DictConfig) -> None:
         check_residual(cfg)
     if target_of(cfg, "trainer") in TRAINERS:
         check_trainer(cfg)
-    if target_of(cfg, "optim.optimizer").startswith("torch.optim."):
+    check_logger_libraries(cfg)
+    if target_of(cfg, "optim.optimizer").startswith(("torch.optim.", "attnres.training.optimizers.")):
         betas = value_at(cfg, "optim.optimizer.betas")
         if betas is not ABSENT and not (isinstance(betas, (list, ListConfig)) and len(betas) == 2 and
                                          all(_is_number(b) and 0 <= b < 1 for b in betas)):
             raise ConfigError(f"optim.optimizer.betas={_show(betas)} must be two numbers in [0, 1); "
                               "e.g. optim.optimizer.betas=[0.9,0.95]")
+
+
+#: a logger whose `_target_` names one of these needs its library: (module, the attnres extra that installs it)
+LOGGER_LIBRARIES = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules: not importable either
+        return False
+
+
+def check_logger_libraries(cfg: DictConfig) -> None:
+    """A logger whose library is not installed is refused before the run, naming the extra."""
+    loggers = value_at(cfg, "logger")
+    if not isinstance(loggers, DictConfig):
+        return
+    for name in loggers:
+        target = target_of(cfg, f"logger.{name}").lower()
+        for word, (module, extra) in LOGGER_LIBRARIES.items():
+            if word in target and not _installed(module):
+                raise ConfigError(f"logger.{name} needs the {module} package, which is not installed; "
+                                  f"pip install 'attnres[{extra}]', or choose another logger (logger=tensorboard)")
 
 
 def _number(x: float) -> str:
