@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from attnres.config import naming  # noqa: F401  (registers the resolver that hydra.run.dir uses)
-from attnres.config.computation import computation, recorded_computation, refuse_other_computation
+from attnres.config.computation import computation, differences, recorded_computation, refuse_other_computation
 from attnres.config.errors import ConfigError
 from attnres.config.rules import ABSENT, target_of, validate_config, value_at
 
@@ -120,8 +120,49 @@ def check_continued_computation(cfg: DictConfig, run_dir: Path) -> None:
     ckpt = value_at(cfg, "ckpt_path")
     if not isinstance(ckpt, str) or not ckpt:
         ckpt = str(run_dir / "checkpoints" / "last.ckpt") if value_at(cfg, "resume") is True else None
-    if ckpt and Path(ckpt).is_file() and value_at(cfg, "mode") in ("train", ABSENT):
+    if not ckpt or not Path(ckpt).is_file():
+        return
+    if value_at(cfg, "mode") in ("train", ABSENT):
         refuse_other_computation(ckpt, recorded_computation(ckpt), computation(cfg))
+    else:
+        refuse_ignored_model_keys(cfg, ckpt)
+
+
+def _given_model_keys(cfg: DictConfig, recorded: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """{recorded key: (this command's value, the override that gave it)} for the command's overrides
+    of the model and the residual strategy: `residual=full` is its `_target_`, `model=gpt-small`
+    every key of the model, `num_blocks=4` and `model.n_embd=64` themselves."""
+    current = computation(cfg)
+    given: dict[str, tuple[Any, str]] = {}
+    for text in value_at(cfg, "hydra.overrides.task") or []:
+        key = str(text).split("=", 1)[0].lstrip("+~")
+        if key == "residual":
+            given["residual._target_"] = (current.get("residual._target_"), str(text))
+        elif key == "model":
+            given.update({k: (v, str(text)) for k, v in current.items() if k.startswith("model.")})
+        elif key == "num_blocks":
+            given["residual.num_blocks"] = (value_at(cfg, "num_blocks"), str(text))
+        elif key.startswith(("residual.", "model.")):
+            given.update({k: (v, str(text)) for k, v in current.items() if k == key or k.startswith(key + ".")})
+    return {k: v for k, v in given.items() if k in recorded}
+
+
+def refuse_ignored_model_keys(cfg: DictConfig, ckpt: str) -> None:
+    """`mode=eval` and `mode=sample` use the checkpoint's own model and residual strategy: a command
+    that asks for another one would be answered about the checkpoint's without saying so."""
+    if not any(str(o).split("=", 1)[0].lstrip("+~").startswith(("residual", "model", "num_blocks"))
+               for o in value_at(cfg, "hydra.overrides.task") or []):
+        return
+    recorded = recorded_computation(ckpt) or {}
+    given = _given_model_keys(cfg, recorded)
+    differ = [k for k, (value, _) in given.items() if differences({k: recorded[k]}, {k: value})]
+    if differ:
+        named = ", ".join(f"{k} ({recorded[k]} there, {given[k][0]} here)" for k in differ)
+        drop = " ".join(dict.fromkeys(given[k][1] for k in differ))
+        raise ConfigError(
+            f"mode={value_at(cfg, 'mode')} uses the model and residual strategy checkpoint {ckpt} was trained with, "
+            f"not this command's: {named}; drop {drop} from the command"
+        )
 
 
 def output_folder(cfg: DictConfig, multirun: bool, check_parent: bool = True) -> Path:

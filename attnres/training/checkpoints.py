@@ -14,7 +14,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from attnres.atomic import atomic_write, read_json, write_json
 from attnres.config.errors import ConfigError
-from attnres.training.faults import RunRefused, clear_previous_run
+from attnres.training.faults import RunRefused
 
 log = logging.getLogger("attnres")
 
@@ -35,8 +35,14 @@ def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwr
     if ckpt_path:
         if not Path(ckpt_path).is_file():
             raise ConfigError(f"ckpt_path={ckpt_path} is not a file; pass the path of a .ckpt written by attnres-run")
-        if overwrite:
-            clear_previous_run(run_dir)
+        if not overwrite and (last.is_file() or status is not None) and Path(ckpt_path).resolve() != last.resolve():
+            raise RunRefused(
+                f"{run_dir} already holds a run; ckpt_path={ckpt_path} would train over it: pass overwrite=true to "
+                "replace it, or name=<new name> for a new folder"
+            )
+        if overwrite and Path(ckpt_path).resolve().is_relative_to((run_dir / "checkpoints").resolve()):
+            raise ConfigError(f"ckpt_path={ckpt_path} lies in the checkpoints that overwrite=true would remove from "
+                              f"{run_dir}; copy it out of the folder first, or drop overwrite=true")
         return str(ckpt_path)
     if resume:
         if last.is_file():
@@ -50,8 +56,7 @@ def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwr
                     "starting this run from scratch")
         return None
     if overwrite:
-        clear_previous_run(run_dir)
-        return None
+        return None  # `train` clears the previous run once every check has passed
     if last.is_file() or status is not None:
         held = last if last.is_file() else run_dir / "metrics.json"
         raise RunRefused(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from attnres.training.checkpoints import describe_checkpoint
 from attnres.training.faults import Interrupted, RunEnded
 from attnres.training.lit import peak_memory_bytes
 from attnres.training.optimizers import describe_optimizer
+from attnres.training.refusal import undo_refused
 
 log = logging.getLogger("attnres")
 
@@ -172,35 +172,8 @@ def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
     except BaseException as err:
         log_traceback(err)
         if run_dir is not None and isinstance(err, (ConfigError, InstantiationException, MissingMandatoryValue)):
-            remove_if_untouched(run_dir)  # a refused command leaves no folder behind
+            undo_refused(run_dir)  # a refused command leaves the folder as it was (or no folder)
         raise
-
-
-#: what a run folder holds before the run has produced anything (Hydra writes the first two)
-UNTOUCHED = {".hydra", "attnres.log", ".run.lock"}
-
-
-def remove_if_untouched(run_dir: Path) -> bool:
-    """Remove a run folder that holds nothing but Hydra's files (a run refused before it started),
-    and the parent folders that become empty, up to the current folder. Never a folder that holds
-    anything else, or one another process is running in."""
-    from attnres.training.faults import RunLock
-
-    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - UNTOUCHED:
-        return False
-    try:
-        with RunLock(run_dir):
-            shutil.rmtree(run_dir)
-    except (ConfigError, OSError):
-        return False
-    cwd, parent = Path.cwd().resolve(), run_dir.resolve().parent
-    while parent != cwd and cwd in parent.parents:
-        try:
-            parent.rmdir()  # only when empty
-        except OSError:
-            break
-        parent = parent.parent
-    return True
 
 
 def _to_log_file(logger: logging.Logger) -> logging.Logger:

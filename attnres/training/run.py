@@ -26,7 +26,15 @@ from attnres.config.rules import validate_config
 from attnres.training.checkpoints import AtomicCheckpointIO, check_checkpoint, checkpoint_step, resume_checkpoint
 from attnres.training.devices import keep_freed_memory, resolve_precision
 from attnres.training.evaluate import run_mode
-from attnres.training.faults import GracefulStop, Interrupted, NonFiniteLoss, RunLock, clean_stale_tmp, stop_signals
+from attnres.training.faults import (
+    GracefulStop,
+    Interrupted,
+    NonFiniteLoss,
+    RunLock,
+    clean_stale_tmp,
+    clear_previous_run,
+    stop_signals,
+)
 from attnres.training.lit import LitLanguageModel
 from attnres.training.report import (
     config_summary,
@@ -111,6 +119,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
             elsewhere = Path(ckpt).resolve().parent.parent != run_dir.resolve()
             recorded = recorded_computation(ckpt, run_config=elsewhere, loaded=loaded)
             refuse_other_computation(ckpt, recorded, module.run_config)
+        if cfg.overwrite:  # every check has passed: only now is the previous run removed
+            clear_previous_run(run_dir)
         loggers = make_loggers(cfg, run_dir, info)  # trackers get the run folder, its sweep and its hparams
         callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [stop]
         if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show

@@ -97,3 +97,59 @@ def test_the_comparison_ignores_what_does_not_compute():
     with pytest.raises(ConfigError, match=r"model\.n_layer \(2 there, 4 here\)"):
         refuse_other_computation("x.ckpt", computation(base), computation(other))
     refuse_other_computation("x.ckpt", None, computation(other))  # nothing recorded: nothing to hold it to
+
+
+def _tree(root: Path) -> dict[Path, str]:
+    """Every file's digest, but the lock's: taking it writes the taker's pid (faults.RunLock)."""
+    return {p.relative_to(root): _digest(p) for p in root.rglob("*") if p.is_file() and p.name != ".run.lock"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["overwrite=true"]], ids=["into-a-run", "overwrite"])
+def test_a_command_refused_after_hydra_started_leaves_the_folder_byte_for_byte(finished, tmp_path, extra):
+    """Hydra writes `.hydra/` and the log before the run's own checks: a refusal there (here a damaged
+    `ckpt_path`) puts them back; with `overwrite=true` the previous run is removed only after every
+    check passed (it used to be removed first, and the folder with it)."""
+    root = _copy(finished, tmp_path)
+    garbage = root / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint" * 64)
+    before = _tree(root / "R")
+    result = run_cli(*RUN, "trainer.max_steps=6", f"ckpt_path={garbage}", "hydra.run.dir=R", *extra, cwd=root)
+    line = one_line_error(result)
+    assert ("corrupt or not a checkpoint" if extra else "already holds a run") in line, line
+    assert _tree(root / "R") == before, "a refused command changed the run's folder"
+
+
+@pytest.mark.slow
+def test_ckpt_path_inside_the_folder_overwrite_clears_is_refused(finished, tmp_path):
+    root = _copy(finished, tmp_path)
+    before = _tree(root / "R")
+    result = run_cli(*RUN, "ckpt_path=R/checkpoints/last.ckpt", "hydra.run.dir=R", "overwrite=true", cwd=root)
+    assert "copy it out of the folder first" in one_line_error(result)
+    assert _tree(root / "R") == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("given", "named"), [
+    (["residual=full"], "residual._target_ (attnres.BlockAttentionResidual there, attnres.FullAttentionResidual here)"),
+    (["num_blocks=4"], "residual.num_blocks (2 there, 4 here)"),
+    (["model.n_embd=64"], "model.n_embd (32 there, 64 here)"),
+], ids=["strategy", "num_blocks", "width"])
+def test_eval_refuses_model_keys_it_would_ignore(finished, tmp_path, given, named):
+    """mode=eval/sample score the checkpoint's own model: a command asking for another is refused
+    (it used to be answered about the checkpoint's model without a word)."""
+    ckpt = finished / "R" / "checkpoints" / "last.ckpt"
+    for mode in ("eval", "sample"):
+        result = run_cli("mode=" + mode, f"ckpt_path={ckpt}", "data=synthetic", *given, "hydra.run.dir=E", cwd=tmp_path)
+        line = one_line_error(result)
+        assert f"mode={mode} uses the model and residual strategy" in line and named in line, line
+        assert not (tmp_path / "E").exists()
+
+
+@pytest.mark.slow
+def test_eval_accepts_the_checkpoints_own_model_restated(finished, tmp_path):
+    ckpt = finished / "R" / "checkpoints" / "last.ckpt"
+    result = run_cli("mode=eval", f"ckpt_path={ckpt}", "data=synthetic", "residual=block", "num_blocks=2",
+                     "model.n_layer=2", "data.val_batches=2", "hydra.run.dir=E", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "E" / "eval.json").is_file()
