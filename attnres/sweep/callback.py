@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from attnres.config.errors import user_errors
 from attnres.results import verdict
@@ -18,8 +18,9 @@ from attnres.sweep.slots import lock_sweep_dir
 
 class SweepSummary(Callback):
     """Hydra callback, whichever launcher runs the sweep: locks the sweep folder when the sweep
-    starts (a second sweep into it is refused), and writes the summary when it ends, closing with
-    one line that counts how this sweep's jobs ended (`plan.exit_status` reads the counts)."""
+    starts (a second sweep into it is refused), and writes the summary when it ends, sends its
+    verdict lines to the trackers the jobs logged to (`trackers.log_sweep`), and closes with one
+    line that counts how this sweep's jobs ended (`plan.exit_status` reads the counts)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         with user_errors():  # before Hydra writes anything into the folder
@@ -35,6 +36,18 @@ class SweepSummary(Callback):
                 raise no_jobs_error(config)
         rows = write_sweep_summary(sweep_dir)
         print(terminal_table(rows), flush=True)
-        for line in verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows):
+        lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows)
+        for line in lines:
             print(f"verdict: {line}", flush=True)
+        if _tracked(config):  # to MLflow / W&B, when the jobs tracked there
+            from attnres.training.trackers import log_sweep  # here: it loads Lightning, which a sweep needs not
+
+            log_sweep(config, sweep_dir, lines)
         print(f"sweep: {format_counts(counts)} -> {sweep_dir / 'summary.md'}", flush=True)
+
+
+def _tracked(config: DictConfig) -> bool:
+    """Whether the sweep's jobs log to a logger of `attnres.training.trackers`."""
+    loggers = OmegaConf.select(config, "logger", default=None) or {}
+    return any(str(OmegaConf.select(node, "_target_", default="")).startswith("attnres.training.trackers.")
+               for node in loggers.values())
