@@ -29,6 +29,9 @@ log = logging.getLogger("attnres")
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
 
 LN2 = math.log(2.0)
+#: throughput (metrics.json's tokens_per_sec, training.report.throughput) leaves out each process's first
+#: THROUGHPUT_WARMUP optimiser steps (the C++ kernel's first build, torch.compile, allocator warm-up)
+THROUGHPUT_WARMUP, THROUGHPUT_MIN_STEPS = 10, 10  # ... and needs THROUGHPUT_MIN_STEPS after them
 METRICS = ("bpb", "accuracy", "loss")
 
 #: dense bf16 peak FLOP/s per GPU by device-name fragment, for model FLOPs utilisation (vendor data
@@ -177,6 +180,9 @@ class LitLanguageModel(pl.LightningModule):
         self.tokens_seen = 0  # over the whole run, restored on resume
         self.run_config: dict[str, Any] | None = None  # what the run computes, recorded in checkpoints
         self.session_tokens, self.session_train_s = 0, 0.0  # this process only: for throughput
+        self.steady_tokens, self.steady_train_s = 0, 0.0  # the same after warm-up (THROUGHPUT_WARMUP)
+        self.session_start_step: int | None = None
+        self._warm = False
         self._step_start: float | None = None
         self._val_sums: dict[str, float] = {}
         self._token_bytes: Tensor | None = None
@@ -227,6 +233,9 @@ class LitLanguageModel(pl.LightningModule):
     # -- training ----------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
+        if self.session_start_step is None:
+            self.session_start_step = self.trainer.global_step
+        self._warm = self.trainer.global_step - self.session_start_step >= THROUGHPUT_WARMUP
         torch.manual_seed(step_seed(self.seed, self.trainer.global_step, self.global_rank))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
@@ -253,6 +262,8 @@ class LitLanguageModel(pl.LightningModule):
         elapsed = time.perf_counter() - (self._step_start or time.perf_counter())
         self.session_tokens += tokens
         self.session_train_s += elapsed
+        if self._warm:
+            self.steady_tokens, self.steady_train_s = self.steady_tokens + tokens, self.steady_train_s + elapsed
         if elapsed > 0:
             self.log("perf/tokens_per_sec", tokens / elapsed, prog_bar=True)
             mfu = self.mfu(tokens / elapsed, batch[0].shape[1])
@@ -273,10 +284,10 @@ class LitLanguageModel(pl.LightningModule):
         return tokens_per_sec * self._flops_per_token / (peak * self.trainer.world_size) or None
 
     def session_mfu(self) -> float | None:
-        """MFU over this process's training steps (metrics.json), None on CPU."""
-        if not self.session_train_s or self._flops_per_token is None:
+        """MFU over this process's training steps after warm-up (metrics.json), None on CPU."""
+        if not self.steady_train_s or self._flops_per_token is None:
             return None
-        return self.mfu(self.session_tokens / self.session_train_s, 0)
+        return self.mfu(self.steady_tokens / self.steady_train_s, 0)
 
     # -- non-finite losses and gradients ---------------------------------------------------
     def _all_finite(self, value: Tensor) -> bool:

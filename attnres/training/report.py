@@ -23,7 +23,7 @@ from attnres.atomic import DISK_FULL, write_json
 from attnres.config.errors import ConfigError
 from attnres.training.checkpoints import describe_checkpoint
 from attnres.training.faults import Interrupted, RunEnded
-from attnres.training.lit import peak_memory_bytes
+from attnres.training.lit import THROUGHPUT_MIN_STEPS, THROUGHPUT_WARMUP, peak_memory_bytes
 from attnres.training.optimizers import describe_optimizer
 from attnres.training.refusal import undo_refused
 
@@ -44,8 +44,7 @@ def write_summary(
     summary = {
         "status": status,
         "metrics": {k: v for k, v in sorted(metrics.items()) if not k.startswith(("lr/", "perf/"))},
-        "tokens_per_sec": module.session_tokens / module.session_train_s if module.session_train_s else None,
-        "mfu": module.session_mfu() if hasattr(module, "session_mfu") else None,  # GPU only
+        **throughput(module),
         "parameters": model.num_parameters() if hasattr(model, "num_parameters") else None,
         "parameters_without_residual": (
             model.num_parameters(exclude_residual=True) if hasattr(model, "num_parameters") else None
@@ -63,6 +62,19 @@ def write_summary(
     }
     write_json(run_dir / "metrics.json", summary)
     return summary
+
+
+def throughput(module: Any) -> dict[str, Any]:
+    """metrics.json's throughput, this process's training steps only (validation and checkpoints left out):
+    `tokens_per_sec` and `mfu` after the first THROUGHPUT_WARMUP steps, None unless THROUGHPUT_MIN_STEPS
+    follow them; `tokens_per_sec_with_warmup` over every step (what `tokens_per_sec` meant before)."""
+    start = getattr(module, "session_start_step", None)
+    measured = max(0, module.trainer.global_step - start - THROUGHPUT_WARMUP) if start is not None else 0
+    steady = measured >= THROUGHPUT_MIN_STEPS and module.steady_train_s > 0
+    return {"tokens_per_sec": module.steady_tokens / module.steady_train_s if steady else None,
+            "tokens_per_sec_with_warmup": module.session_tokens / module.session_train_s if module.session_train_s
+            else None, "throughput_warmup_steps": THROUGHPUT_WARMUP, "throughput_steps": measured,
+            "mfu": module.session_mfu() if steady else None}  # GPU only
 
 
 def _human(n: float) -> str:
