@@ -128,13 +128,10 @@ def tokenizer_of(cfg: DictConfig, given: str | None) -> tuple[Any, str]:
     return None, f"none: {data.get('_target_')} has no text tokenizer (pass --tokenizer FILE to add one)"
 
 
-def write_export(cfg: DictConfig, ckpt: Path, out: Path, tokenizer: str | None) -> dict[str, Any]:
-    """Write the Hugging Face folder for the run's checkpoint into `out` (a new folder)."""
-    from transformers import GenerationConfig
-    from transformers.utils.logging import disable_progress_bar
-
+def prepare_export(cfg: DictConfig, ckpt: Path, tokenizer: str | None) -> tuple[Any, Any, dict[str, Any]]:
+    """(the Hugging Face model with the checkpoint's weights, the tokenizer or None, what they are),
+    built in memory: a refusal here leaves nothing on disk."""
     from attnres.hf import AttnResConfig, AttnResForCausalLM
-    from attnres.hf.tokenization import save_tokenizer
     from attnres.training.checkpoints import load_checkpoint
 
     loaded = load_checkpoint(ckpt)
@@ -154,18 +151,27 @@ def write_export(cfg: DictConfig, ckpt: Path, out: Path, tokenizer: str | None) 
     if tok is not None and tok.get_vocab_size(with_added_tokens=True) > config.vocab_size:
         raise ConfigError(f"the tokenizer {source} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the "
                           f"model {config.vocab_size}; pass the tokenizer the run was trained with (--tokenizer FILE)")
-    out.mkdir(parents=True)
-    special = save_tokenizer(tok, out, config.max_position_embeddings) if tok is not None else {}
+    dtype = next(model.parameters()).dtype
+    return model, tok, {
+        "parameters": model.transformer.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
+        "residual": (residual or {}).get("_target_", "attnres.StandardResidual"), "tokenizer": source,
+        "step": loaded.get("global_step"), "vocab_size": config.vocab_size, "tied": bool(config.tie_word_embeddings)}
+
+
+def write_export(model: Any, tok: Any, out: Path) -> None:
+    """The Hugging Face folder of `model` and `tok` (None: no tokenizer) into `out`, a new folder."""
+    from transformers import GenerationConfig
+    from transformers.utils.logging import disable_progress_bar
+
+    from attnres.hf.tokenization import save_tokenizer
+
+    out.mkdir()
+    special = save_tokenizer(tok, out, model.config.max_position_embeddings) if tok is not None else {}
     model.generation_config = GenerationConfig(**special)
     disable_progress_bar()  # "Writing model shards" says nothing here
     model.save_pretrained(str(out))
     for file in out.iterdir():  # safetensors' own writes are private (0600); these are for sharing
         os.chmod(file, FILE_MODE)
-    dtype = next(model.parameters()).dtype
-    return {"parameters": model.transformer.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
-            "residual": (residual or {}).get("_target_", "attnres.StandardResidual"), "tokenizer": source,
-            "step": loaded.get("global_step"), "vocab_size": config.vocab_size,
-            "tied": bool(config.tie_word_embeddings)}
 
 
 def export(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False, checkpoint: str = "last",
@@ -181,18 +187,25 @@ def export(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False, ch
     if out.resolve() == run_dir.resolve() or run_dir.resolve().is_relative_to(out.resolve()):
         raise ConfigError(f"OUT_DIR {out} would replace the run itself; pass another OUT_DIR")
     cfg, summary, ckpt = check_run(run_dir, checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    model, tok, info = prepare_export(cfg, ckpt, tokenizer)  # every refusal is before the first write
+    made = [p for p in reversed(out.absolute().parents) if not p.exists()]  # folders above OUT_DIR, made here
     tmp = out.parent / f".{out.name}.export-{os.getpid()}.tmp"
     aside = out.parent / f".{out.name}.replaced-{os.getpid()}.tmp"
+    done = False
     try:
-        info = write_export(cfg, ckpt, tmp, tokenizer)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_export(model, tok, tmp)
         if out.exists():
             os.replace(out, aside)
         os.replace(tmp, out)
+        done = True
     finally:
         for leftover in (tmp, aside):
             with contextlib.suppress(FileNotFoundError):
                 shutil.rmtree(leftover)
+        for folder in reversed(made if not done else []):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return {**info, "run": str(run_dir), "checkpoint": str(ckpt), "out": str(out), "status": summary.get("status"),
             "metrics": summary.get("metrics") or {}}
 
