@@ -29,8 +29,8 @@ log = logging.getLogger("attnres")
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
 
 LN2 = math.log(2.0)
-#: throughput (metrics.json's tokens_per_sec, training.report.throughput) leaves out each process's first
-#: THROUGHPUT_WARMUP optimiser steps (the C++ kernel's first build, torch.compile, allocator warm-up)
+#: throughput after warm-up (metrics.json's tokens_per_sec_after_warmup, report.throughput) leaves out each
+#: process's first THROUGHPUT_WARMUP optimiser steps (the C++ kernel's first build, torch.compile, allocator warm-up)
 THROUGHPUT_WARMUP, THROUGHPUT_MIN_STEPS = 10, 10  # ... and needs THROUGHPUT_MIN_STEPS after them
 METRICS = ("bpb", "accuracy", "loss")
 
@@ -283,11 +283,13 @@ class LitLanguageModel(pl.LightningModule):
             self._flops_per_token = flops_per_token(self.model, seq_len) or 0.0
         return tokens_per_sec * self._flops_per_token / (peak * self.trainer.world_size) or None
 
-    def session_mfu(self) -> float | None:
-        """MFU over this process's training steps after warm-up (metrics.json), None on CPU."""
-        if not self.steady_train_s or self._flops_per_token is None:
+    def session_mfu(self, warm: bool = False) -> float | None:
+        """MFU over this process's training steps (`warm`: after warm-up) for metrics.json, None on CPU."""
+        tokens, seconds = ((self.steady_tokens, self.steady_train_s) if warm
+                           else (self.session_tokens, self.session_train_s))
+        if not seconds or self._flops_per_token is None:
             return None
-        return self.mfu(self.steady_tokens / self.steady_train_s, 0)
+        return self.mfu(tokens / seconds, 0)
 
     # -- non-finite losses and gradients ---------------------------------------------------
     def _all_finite(self, value: Tensor) -> bool:

@@ -65,16 +65,18 @@ def write_summary(
 
 
 def throughput(module: Any) -> dict[str, Any]:
-    """metrics.json's throughput, this process's training steps only (validation and checkpoints left out):
-    `tokens_per_sec` and `mfu` after the first THROUGHPUT_WARMUP steps, None unless THROUGHPUT_MIN_STEPS
-    follow them; `tokens_per_sec_with_warmup` over every step (what `tokens_per_sec` meant before)."""
+    """metrics.json's throughput over this process's training steps (validation, checkpoints left out):
+    `tokens_per_sec` and `mfu` over every step, warm-up included (the kernel's first build, compilation);
+    `tokens_per_sec_after_warmup` and `mfu_after_warmup` leave out the first THROUGHPUT_WARMUP steps
+    and are None unless THROUGHPUT_MIN_STEPS follow them (`throughput_steps` counts those measured)."""
     start = getattr(module, "session_start_step", None)
     measured = max(0, module.trainer.global_step - start - THROUGHPUT_WARMUP) if start is not None else 0
     steady = measured >= THROUGHPUT_MIN_STEPS and module.steady_train_s > 0
-    return {"tokens_per_sec": module.steady_tokens / module.steady_train_s if steady else None,
-            "tokens_per_sec_with_warmup": module.session_tokens / module.session_train_s if module.session_train_s
-            else None, "throughput_warmup_steps": THROUGHPUT_WARMUP, "throughput_steps": measured,
-            "mfu": module.session_mfu() if steady else None}  # GPU only
+    return {"tokens_per_sec": module.session_tokens / module.session_train_s if module.session_train_s else None,
+            "mfu": module.session_mfu(warm=False), "throughput_warmup_steps": THROUGHPUT_WARMUP,
+            "throughput_steps": measured, "tokens_per_sec_after_warmup":
+            module.steady_tokens / module.steady_train_s if steady else None,
+            "mfu_after_warmup": module.session_mfu(warm=True) if steady else None}  # MFU: GPU only
 
 
 def _human(n: float) -> str:
@@ -96,11 +98,11 @@ def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -
     shown = [f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/") and isinstance(v, float)]
     where = os.path.relpath(run_dir) if not os.path.relpath(run_dir).startswith("..") else str(run_dir)
     peak = summary.get("peak_memory_bytes")
-    speed = summary.get("tokens_per_sec")
+    speed, steady = summary.get("tokens_per_sec"), summary.get("tokens_per_sec_after_warmup")
     lines = [
         f"{summary['status']} in {_duration(summary['wall_time_s'])}: " + (", ".join(shown) or "no validation"),
         f"  steps {summary['steps']}, tokens seen {_human(summary['tokens_seen'])}"
-        + (f", {_human(speed)} tokens/s" if speed else "")
+        + (f", {_human(speed)} tokens/s" if speed else "") + (f" ({_human(steady)} after warm-up)" if steady else "")
         + (f", peak memory {peak / 2**20:,.0f} MiB" if peak else ""),
         f"  run folder   {where}",
     ]
