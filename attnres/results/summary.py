@@ -119,6 +119,7 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
     peak = metrics.get("peak_memory_bytes")
     row.update(
         tokens_per_sec=metrics.get("tokens_per_sec"), peak_memory_gib=peak / 2**30 if peak else None,
+        tokens_per_sec_after_warmup=metrics.get("tokens_per_sec_after_warmup"),  # the verdicts' tokens/s ratio
         parameters=metrics.get("parameters"), wall_time_s=metrics.get("wall_time_s"),
         slot=metrics.get("slot"), error=metrics.get("error"),
     )

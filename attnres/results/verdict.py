@@ -4,7 +4,10 @@ DESIGN.md section 6. A comparison is between two configurations that differ only
 residual strategy (same model, data, optimiser, steps). Runs are paired by seed; for each
 pair d = metric(strategy) - metric(standard). Reported: the mean of d, its 95% interval from
 Student's t with n - 1 degrees of freedom (`scipy.stats.ttest_1samp`), n, how many pairs
-favour each side, and the cost as ratios to the paired baseline (tokens/s, peak memory).
+favour each side, and the cost as ratios to the paired baseline (tokens/s, peak memory). The
+tokens/s are each run's after its warm-up steps (`tokens_per_sec_after_warmup` of metrics.json,
+docs/configuration.md): over the warm-up a ratio measures compilation and the kernel's first build.
+A run too short for that has none, and its comparison then gives no tokens/s ratio and says why.
 With one pair there is no interval; with fewer than two pairs but two or more runs on each
 side, Welch's interval over the unpaired runs (`scipy.stats.ttest_ind(equal_var=False)`),
 labelled "unpaired". Failed or unfinished jobs are left out and counted.
@@ -45,6 +48,7 @@ class Comparison:
     losses: int = 0
     diffs: dict[Any, float] = field(default_factory=dict)  # seed -> d (paired)
     tokens_per_sec_ratio: float | None = None
+    tokens_per_sec_note: str | None = None  # why there is no tokens/s ratio, when runs lack tokens/s
     peak_memory_ratio: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -85,6 +89,8 @@ class Comparison:
                 text += f", {self.wins}/{self.n} seeds favour {self.label}"
         cost = [f"{value:.2f}x {name}" for value, name in ((self.tokens_per_sec_ratio, "tokens/s"),
                                                           (self.peak_memory_ratio, "peak memory")) if value]
+        if self.tokens_per_sec_note:
+            cost.append(self.tokens_per_sec_note)
         return text + ("; " + ", ".join(cost) if cost else "") + self._notes()
 
     def _notes(self) -> str:
@@ -122,6 +128,20 @@ def _ratio(pairs: Iterable[tuple[Any, Any]]) -> float | None:
 def _mean_ratio(a: Sequence[Any], b: Sequence[Any]) -> float | None:
     a, b = [x for x in a if _finite(x)], [x for x in b if _finite(x)]
     return statistics.fmean(a) / statistics.fmean(b) if a and b and statistics.fmean(b) > 0 else None
+
+
+#: what a comparison says when its runs have no tokens/s: metrics.json leaves it out of a run
+#: too short to measure after its warm-up steps (a ratio over warm-up would be compile time)
+NO_TOKENS_PER_SEC = "no tokens/s ratio: runs too short to measure throughput after their warm-up steps"
+SPEED = "tokens_per_sec_after_warmup"  # the rows' key the tokens/s ratio reads
+
+
+def _speed_note(runs: Iterable[Mapping[str, Any]], ratio: float | None) -> str | None:
+    """Why a comparison of `runs` has no tokens/s ratio (or one over fewer pairs), if that is why."""
+    missing = sum(1 for r in runs if not _finite(r.get(SPEED)))
+    if not missing:
+        return None
+    return NO_TOKENS_PER_SEC if ratio is None else f"the tokens/s ratio leaves out {missing} run(s) too short"
 
 
 def _t_interval(diffs: Sequence[float]) -> tuple[tuple[float, float], float | None]:
@@ -174,10 +194,11 @@ def compare(candidate: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[s
             comparison.ci, comparison.p_value = _t_interval(list(diffs.values()))
         else:
             comparison.method = "one pair"
-        comparison.tokens_per_sec_ratio = _ratio((cand[s].get("tokens_per_sec"), base[s].get("tokens_per_sec"))
-                                                 for s in seeds)
+        comparison.tokens_per_sec_ratio = _ratio((cand[s].get(SPEED), base[s].get(SPEED)) for s in seeds)
         comparison.peak_memory_ratio = _ratio((cand[s].get("peak_memory_gib"), base[s].get("peak_memory_gib"))
                                               for s in seeds)
+        comparison.tokens_per_sec_note = _speed_note([r for s in seeds for r in (cand[s], base[s])],
+                                                     comparison.tokens_per_sec_ratio)
         if unmatched:
             comparison.notes.append(f"seed{'s' if len(unmatched) > 1 else ''} {', '.join(map(str, unmatched))} "
                                     "on one side only, left out")
@@ -186,10 +207,11 @@ def compare(candidate: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[s
         comparison.method, comparison.n = "Welch (unpaired)", len(a)
         comparison.mean = statistics.fmean(a) - statistics.fmean(b)
         comparison.ci, comparison.p_value = _welch_interval(a, b)
-        comparison.tokens_per_sec_ratio = _mean_ratio([r.get("tokens_per_sec") for r in cand.values()],
-                                                      [r.get("tokens_per_sec") for r in base.values()])
+        comparison.tokens_per_sec_ratio = _mean_ratio([r.get(SPEED) for r in cand.values()],
+                                                      [r.get(SPEED) for r in base.values()])
         comparison.peak_memory_ratio = _mean_ratio([r.get("peak_memory_gib") for r in cand.values()],
                                                    [r.get("peak_memory_gib") for r in base.values()])
+        comparison.tokens_per_sec_note = _speed_note([*cand.values(), *base.values()], comparison.tokens_per_sec_ratio)
         comparison.notes.append(f"no common seeds: {len(a)} vs {len(b)} runs")
     elif cand and base:
         comparison.notes.append(f"no seed in common: seeds {', '.join(map(str, sorted(cand, key=str)))} against "

@@ -18,7 +18,10 @@ T_975_DF1 = 12.706204736174705  # ... 1 degree of freedom
 
 
 def run(seed, value, status="finished", tps=1000.0, mem=None, metric="val/bpb"):
-    return {"seed": seed, "status": status, metric: value, "tokens_per_sec": tps, "peak_memory_gib": mem}
+    """A row as summary.collect_rows makes it; `tps` is the run's tokens/s after warm-up (None: a run too
+    short to measure it), its tokens/s over every step is ten times lower (what warm-up costs a short run)."""
+    return {"seed": seed, "status": status, metric: value, "tokens_per_sec_after_warmup": tps,
+            "tokens_per_sec": tps / 10 if tps else 50.0, "peak_memory_gib": mem}
 
 
 def test_paired_t_interval_matches_the_hand_computed_one():
@@ -37,6 +40,27 @@ def test_paired_t_interval_matches_the_hand_computed_one():
     line = c.sentence()
     assert line.startswith("block N=4 vs standard: no clear difference, -0.0200 val/bpb [-0.0448, +0.0048]"), line
     assert "3/3 seeds favour block N=4" in line and "lower is better" in line and "0.92x tokens/s" in line
+
+
+def test_the_tokens_per_sec_ratio_is_after_warm_up_and_absent_for_runs_too_short_to_measure():
+    base = [run(s, 2.0 + 0.1 * s, tps=1000.0, mem=1.0) for s in range(3)]
+    cand = [run(s, 1.9 + 0.1 * s, tps=800.0, mem=1.2) for s in range(3)]
+    for r in cand:
+        r["tokens_per_sec"] = 1000.0  # over every step the candidate looks faster: its warm-up was shorter
+    c = verdict.compare(cand, base, "val/bpb", "block", "standard")
+    assert c.tokens_per_sec_ratio == pytest.approx(0.8) and "0.80x tokens/s" in c.sentence()
+    assert c.tokens_per_sec_note is None
+    short = [run(s, 2.0 + 0.1 * s, tps=None, mem=1.0) for s in range(3)]  # every run shorter than its warm-up
+    short_cand = [run(s, 1.9 + 0.1 * s, tps=None, mem=1.2) for s in range(3)]
+    c = verdict.compare(short_cand, short, "val/bpb", "block", "standard")
+    line = c.sentence()
+    assert c.tokens_per_sec_ratio is None and "x tokens/s" not in line, line
+    assert line.endswith("; 1.20x peak memory, " + verdict.NO_TOKENS_PER_SEC), line
+    assert c.columns()["tokens_per_sec_ratio"] is None
+    mixed = verdict.compare([*cand[:2], short_cand[2]], base, "val/bpb", "block", "standard")
+    assert mixed.tokens_per_sec_ratio == pytest.approx(0.8) and "leaves out 1 run(s) too short" in mixed.sentence()
+    welch = verdict.compare([run(s, 1.0 + 0.1 * s, tps=None) for s in (5, 6)], short[:2], "val/bpb", "b", "standard")
+    assert welch.method == "Welch (unpaired)" and verdict.NO_TOKENS_PER_SEC in welch.sentence()
 
 
 def test_a_clear_difference_is_better_or_worse_by_the_metric_direction():
@@ -142,7 +166,9 @@ def test_a_real_sweep_ends_with_verdicts_a_csv_and_a_plot(shared_sweep):
     result, sweep = shared_sweep, shared_sweep.dir
     verdicts = [line for line in result.stdout.splitlines() if line.startswith("verdict: ")]
     assert len(verdicts) == 1 and verdicts[0].startswith("verdict: block vs standard: "), result.stdout
-    assert "paired t, 2 seeds" in verdicts[0] and "x tokens/s" in verdicts[0]
+    # 6 steps each: too short to measure tokens/s after warm-up, so no ratio, and the line says why
+    assert "paired t, 2 seeds" in verdicts[0] and "x peak memory" in verdicts[0]
+    assert verdicts[0].endswith(verdict.NO_TOKENS_PER_SEC) and "x tokens/s" not in verdicts[0]
     summary = (sweep / "summary.md").read_text()
     assert "## Verdicts" in summary and verdicts[0].removeprefix("verdict: ") in summary
     with open(sweep / "summary.csv") as f:
