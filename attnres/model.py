@@ -113,15 +113,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Sublayer: MLP of RMSNorm(x); GELU (4x wide) or SwiGLU (8/3x wide, rounded to 64)."""
+    """Sublayer: MLP of RMSNorm(x); GELU (4x wide) or SwiGLU (8/3x wide, rounded to 64), or
+    `hidden` wide when given (SwiGLU: the width of each of its two up-projections)."""
 
-    def __init__(self, n_embd: int, activation: str, dropout: float, bias: bool, eps: float) -> None:
+    def __init__(self, n_embd: int, activation: str, dropout: float, bias: bool, eps: float,
+                 hidden: int | None = None) -> None:
         super().__init__()
         if activation not in ("gelu", "swiglu"):
             raise ValueError(f"mlp activation must be 'gelu' or 'swiglu', got {activation!r}")
+        if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1):
+            raise ValueError(f"mlp_hidden must be a positive integer or None (the default width), got {hidden!r}")
         self.activation = activation
         self.norm = RMSNorm(n_embd, eps)
-        hidden = 4 * n_embd if activation == "gelu" else 64 * math.ceil(8 * n_embd / 3 / 64)
+        if hidden is None:
+            hidden = 4 * n_embd if activation == "gelu" else 64 * math.ceil(8 * n_embd / 3 / 64)
         self.up = nn.Linear(n_embd, hidden * (2 if activation == "swiglu" else 1), bias=bias)
         self.down = nn.Linear(hidden, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
@@ -139,7 +144,8 @@ class MLP(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only LM. `residual` is a strategy factory called as
     `residual(d_model=n_embd, num_layers=2 * n_layer)` (a class, or a `functools.partial`
-    such as Hydra's `_partial_: true` yields); None means the standard residual."""
+    such as Hydra's `_partial_: true` yields); None means the standard residual. `mlp_hidden`
+    sets the MLP's hidden width (None: 4 n_embd for GELU, 8/3 n_embd rounded up to 64 for SwiGLU)."""
 
     def __init__(
         self,
@@ -151,6 +157,7 @@ class Transformer(nn.Module):
         dropout: float = 0.0,
         bias: bool = False,
         mlp: Literal["gelu", "swiglu"] = "gelu",
+        mlp_hidden: int | None = None,
         tie_embeddings: bool = True,
         norm_eps: float = 1e-6,
         init_std: float = 0.02,
@@ -168,7 +175,7 @@ class Transformer(nn.Module):
         for layer in range(n_layer):
             self.sublayers.append(Attention(n_embd, n_head, dropout, bias, norm_eps))
             self.sublayers[-1].cache_index = layer
-            self.sublayers.append(MLP(n_embd, mlp, dropout, bias, norm_eps))
+            self.sublayers.append(MLP(n_embd, mlp, dropout, bias, norm_eps, mlp_hidden))
         self.norm = RMSNorm(n_embd, norm_eps)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_embeddings:
