@@ -6,6 +6,7 @@ leave nothing behind."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -231,3 +232,60 @@ def test_a_running_run_is_refused(runs, tmp_path):
         assert "is still running" in one_line(export_cli(run, tmp_path / "hf", cwd=tmp_path))
     assert not (tmp_path / "hf").exists()
     assert not is_running(run)  # the lock is free again
+
+
+# -- docs/huggingface.md, as a reader follows it -------------------------------------------------
+def page_blocks() -> list[tuple[str, list[str]]]:
+    """(tag, lines) of each fenced block of docs/huggingface.md."""
+    blocks, current = [], None
+    for line in (helpers.REPO / "docs" / "huggingface.md").read_text().splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current = (line[3:].strip(), [])
+            else:
+                blocks.append(current)
+                current = None
+        elif current is not None:
+            current[1].append(line)
+    return blocks
+
+
+def shown_run(lines: list[str], command: str) -> tuple[str, list[str]]:
+    """The `$ command ...` line of a transcript and the lines it prints."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"$ {command}"))
+    printed = []
+    for line in lines[start + 1:]:
+        if line.startswith("$ "):
+            break
+        printed.append(line)
+    return lines[start][2:], printed
+
+
+def masked(line: str) -> str:
+    return re.sub(r"\d[\d,]*(\.\d+)?", "N", line)
+
+
+def test_the_page_does_what_it_shows(runs, tmp_path):
+    """The transcripts of docs/huggingface.md (tests/test_docs.py checks its bash blocks): its
+    attnres-export command on a run where the page has it, and its generate.py on the export."""
+    blocks = page_blocks()
+    transcripts = [lines for tag, lines in blocks if tag == "text"]
+    command, shown = next(shown_run(t, "attnres-export") for t in transcripts
+                          if any(x.startswith("$ attnres-export") for x in t))
+    run_dir = command.split()[1]
+    shutil.copytree(runs / "standard", tmp_path / run_dir)
+    ran = subprocess.run([sys.executable, "-m", "attnres.training.export", *command.split()[1:]], cwd=tmp_path,
+                         env=helpers.cli_env(), capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    printed = ran.stdout.strip().splitlines()
+    assert [line.split()[0] for line in printed] == [line.split()[0] for line in shown]
+    assert masked(printed[0]) == masked(shown[0]) and printed[-1] == shown[-1]
+    assert masked(printed[1]).split("(")[0] == masked(shown[1]).split("(")[0]
+    script = next(lines for tag, lines in blocks if tag == "python" and lines[0] == "# generate.py")
+    (tmp_path / "generate.py").write_text("\n".join(script) + "\n")
+    command, shown = next(shown_run(t, "python generate.py") for t in transcripts
+                          if any(x.startswith("$ python generate.py") for x in t))
+    ran = subprocess.run([sys.executable, "generate.py"], cwd=tmp_path, env=helpers.cli_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.startswith("def main") and shown[0].startswith("def main")
