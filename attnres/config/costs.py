@@ -3,7 +3,7 @@
 An experiment that sets a top-level `costs:` block (conf/experiment/paper_*.yaml) gets, when
 its sweep is planned (`attnres.sweep.plan.plan_jobs`), one line per job and a total:
 
-    paper_scaling: 15 jobs, 2.06e+21 training FLOPs (23.9 PFLOP/s-days), about 1,447 GPU-hours at 40% MFU ...
+    paper_scaling: 15 jobs to run, 4.51e+21 training FLOPs (52.2 PFLOP/s-days), about 3,166 GPU-hours at 40% MFU ...
 
 FLOPs per token are the runner's MFU count (`attnres.training.lit.flops_per_token`):
 6 (N + V D) + 12 n_layer T D, N the non-embedding parameters (the residual strategy's
@@ -60,7 +60,7 @@ def vocab_size(cfg: DictConfig) -> tuple[int, str]:
             return int(json.loads(meta.read_text())["vocab_size"]), "meta.json"
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    return int(cfg.costs.vocab_size), "assumed (costs.vocab_size)"
+    return int(cfg.costs.vocab_size), "assumed: costs.vocab_size"
 
 
 def tokens_per_step(cfg: DictConfig) -> int:
@@ -104,7 +104,8 @@ def _human(n: float) -> str:
 
 def _labels(overrides: Sequence[Sequence[str]]) -> list[str]:
     """Each job's overrides, only those that differ between the jobs."""
-    parsed = [dict(o.split("=", 1) for o in job if "=" in o) for job in overrides]
+    parsed = [{k.split("/")[-1].split("@")[0]: v for k, v in (o.split("=", 1) for o in job if "=" in o)}
+              for job in overrides]  # experiment/paper_ablation@_global_=full reads paper_ablation=full
     keys = sorted({k for job in parsed for k in job})
     varying = [k for k in keys if len({job.get(k) for job in parsed}) > 1]
     return [",".join(f"{k}={job[k]}" for k in varying if k in job) or "(the one job)" for job in parsed]
@@ -135,13 +136,13 @@ def announce(jobs: Sequence[tuple[Sequence[str], DictConfig]], skipped: int = 0)
     head = priced[0][1]
     mfu, peak, gpu = float(head.costs.mfu), float(head.costs.peak_flops), str(head.costs.gpu)
     hours = [r["flops"] / (mfu * peak) / 3600 for r in rows]
-    total = sum(r["flops"] for r in rows)
+    total, gpu_hours = sum(r["flops"] for r in rows), f"{sum(hours):,.{0 if sum(hours) >= 10 else 2}f}"
     vocab = sorted({f"V {r['vocab_size']:,} ({r['vocab_from']})" for r in rows})
     lines = [
         f"{head.get('name', 'sweep')}: {len(rows)} job{'s' * (len(rows) != 1)} to run"
         + (f" ({skipped} skipped: duplicate or finished)" if skipped else "")
         + f", {total:.3g} training FLOPs ({total / 1e15 / 86400:.3g} PFLOP/s-days), "
-        f"about {sum(hours):,.0f} GPU-hours at {mfu:.0%} MFU of {peak / 1e12:,.0f} TFLOP/s ({gpu}; "
+        f"about {gpu_hours} GPU-hours at {mfu:.0%} MFU of {peak / 1e12:,.0f} TFLOP/s ({gpu}; "
         f"a stated MFU, not a measured one: costs.mfu, costs.peak_flops)",
         f"  FLOPs per token 6 (N + V D) + 12 n_layer T D, {', '.join(vocab)}; depth attention's own FLOPs "
         "left out (under 1%)",
