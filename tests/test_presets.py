@@ -1,7 +1,8 @@
-"""The paper's five sizes as model presets (conf/model/paper-*.yaml, docs/paper.md): each has its
-Table 2 row's blocks and heads, its width within 2%, and non-embedding parameters within 2% of the
-row's activated parameters, counted on the meta device; and the MLP width knob that makes a dense
-model match (`mlp_hidden`), whose default leaves today's models as they were."""
+"""The paper's five sizes as model presets (conf/model/paper-*.yaml; docs/configuration.md, "The
+paper's experiments"): each has its Table 2 row's blocks and heads, its width within 2%, and
+non-embedding parameters within 2% of the row's activated parameters, counted on the meta device;
+and the MLP width knob that makes a dense model match (`mlp_hidden`), whose default leaves today's
+models as they were."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from hydra.utils import instantiate
 from attnres import Transformer
 from tests.helpers import CONF
 
-#: Table 2 of the paper (transcribed, docs/paper.md): size -> (L_b, heads, d_model, activated parameters)
+#: Table 2 of the paper (transcribed, docs/configuration.md#the-papers-experiments):
+#: size -> (L_b, heads, d_model, activated parameters)
 TABLE_2 = {"194m": (12, 12, 896, 194e6), "241m": (13, 13, 960, 241e6), "296m": (14, 14, 1024, 296e6),
            "436m": (16, 16, 1168, 436e6), "528m": (17, 17, 1264, 528e6)}
 
@@ -47,7 +49,7 @@ def test_a_preset_has_its_rows_shape_and_activated_parameters(presets, size):
     assert abs(n - activated) / activated <= 0.02, (size, n)
     D, H, L = cfg.n_embd, cfg.mlp_hidden, cfg.n_layer  # the count by hand: attention, SwiGLU, two norms; final norm
     assert n == L * (4 * D * D + 3 * D * H + 2 * D) + D
-    stated = re.search(r"This preset has ([\d.]+)M non-embedding parameters \(([+-][\d.]+)%\)",
+    stated = re.search(r"This preset has ([\d.]+)M\s+(?:#\s+)?non-embedding parameters \(([+-][\d.]+)%\)",
                        (CONF / f"model/paper-{size}.yaml").read_text())
     assert stated, "the preset's comment states its parameter count"
     assert float(stated[1]) == pytest.approx(n / 1e6, abs=0.05)

@@ -119,7 +119,8 @@ def check_data(cfg: DictConfig) -> None:
     if choice is not None and choice in unfit:
         name, scale = cfg.get("name", "this experiment"), cfg.get("scale", "?")
         raise ConfigError(f"{name} at scale={scale} trains on tokenized text, not data={choice}; add data=tokens "
-                          "data.path=<a folder written by attnres-prepare> (docs/paper.md), or run scale=cpu")
+                          "data.path=<a folder written by attnres-prepare> (docs/configuration.md#the-papers-"
+                          "experiments), or run scale=cpu")
 
 
 def announce(jobs: Sequence[tuple[Sequence[str], DictConfig]], skipped: int = 0) -> list[str]:

@@ -40,9 +40,8 @@ def fit(steps: int, slow_steps: int, monkeypatch: pytest.MonkeyPatch) -> lit.Lit
     monkeypatch.setattr(lit, "time", types.SimpleNamespace(perf_counter=StepClock(slow_steps).perf_counter))
     torch.manual_seed(0)
     data = SyntheticDataModule(batch_size=BATCH, val_batches=1, num_hops=1)
-    module = lit.LitLanguageModel(Transformer(vocab_size=data.vocab_size, n_layer=1, n_head=2, n_embd=16,
-                                              block_size=LENGTH), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                                  metric="accuracy")
+    model = Transformer(vocab_size=data.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=LENGTH)
+    module = lit.LitLanguageModel(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), metric="accuracy")
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
