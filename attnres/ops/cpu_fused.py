@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnres.ops.torch_fused import attend, inv_rms
+from attnres.ops.torch_fused import attend, differentiable_backward, inv_rms, second_order
 
 __all__ = ["DTYPES", "GradSink", "available", "fused_depth_attention", "inv_rms", "load_error", "run_depth_attention"]
 
@@ -122,7 +122,7 @@ def _build() -> None:
                                    build_directory=str(build_dir), verbose=False)
             break
         except Exception as exc:  # noqa: BLE001  (the OpenMP build failed: try the one-thread build; its failure is raised)
-            if not openmp:
+            if not openmp or "interrupted" in str(exc):  # ninja stopped by a signal: no verdict on OpenMP
                 raise
             reason = _reason(exc)
             (build_dir / OPENMP_FAILED).write_text(f"{reason}\n")
@@ -228,7 +228,10 @@ class _CpuDepthAttention(torch.autograd.Function):
     twice per layer, on models whose sublayers take a millisecond or two): the sources,
     prefixes and cotangents go to C++ in their own shapes, nothing is reshaped or copied here.
     Saves the statistics r, z and lse, references to the sources, and with a prefix the
-    outputs (the caller keeps them anyway: they are sublayer inputs)."""
+    outputs (the caller keeps them anyway: they are sublayer inputs). A backward that is itself
+    differentiated (create_graph=True) runs `torch_fused.differentiable_backward` instead of the
+    C++ one, which autograd cannot differentiate, and hands the source gradients to autograd,
+    not to the gradient sink."""
 
     @staticmethod
     def forward(ctx, eps, r_cache, queries, prefix_lse, out_norm, slots, n, *tensors):  # n sources, K prefixes or 0
@@ -237,6 +240,7 @@ class _CpuDepthAttention(torch.autograd.Function):
         outs, z, lse, r, h, hn = torch.ops.attnres_cpu.forward(sources, r_cache, queries, prefix_h, prefix_lse, eps,
                                                                out_norm)
         ctx.n, ctx.K, ctx.has_prefix, ctx.has_norm = n, queries.shape[0], prefix_lse is not None, out_norm is not None
+        ctx.eps = eps
         ctx.mark_non_differentiable(r, h, hn)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(queries, r, z, lse, prefix_lse, out_norm, h, hn, *sources,
@@ -257,6 +261,10 @@ class _CpuDepthAttention(torch.autograd.Function):
         sources, outs = rest[:n], rest[n:]
         if not ctx.has_norm:
             out_norm = h = hn = None
+        if second_order():  # create_graph=True: differentiable operations, the sink bypassed
+            d_src, d_q, d_pre_h, d_pre_lse, d_w = differentiable_backward(
+                sources, ctx.eps, queries, z, lse, prefix_lse, outs, d_outs, dz, dlse, out_norm)
+            return (None, None, d_q, d_pre_lse, d_w, None, None, *d_src, *d_pre_h)
         into: list[Tensor | None] = []
         if ctx.slots is not None:
             sink, index = ctx.slots

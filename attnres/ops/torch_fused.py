@@ -99,28 +99,35 @@ def _rows(v: Tensor, cd: torch.dtype) -> Tensor:
     return v.to(cd).reshape(-1, v.shape[-1])
 
 
-def _stacked(sources: Sequence[Tensor], stacked: Tensor | None, cd: torch.dtype) -> Tensor:
-    """The n sources as one (n, M, D) tensor in the compute dtype: `stacked` (their values,
-    stacked, as the strategies keep them) viewed so, or one source viewed so, or a stack."""
-    n, d = len(sources), sources[0].shape[-1]
+def _source_rows(sources: Sequence[Tensor], stacked: Tensor | None, cd: torch.dtype) -> Tensor | list[Tensor]:
+    """The n sources as rows in the compute dtype, indexable by source: `stacked` (their values,
+    stacked, as the strategies keep them) viewed as one (n, M, D) tensor, else a list of (M, D)
+    views of the sources (copies only for a dtype other than the compute dtype). Never a stacking
+    copy: on the public op's lists that copy and its page faults cost 4x the forward's time."""
     if stacked is not None:
-        return stacked.to(cd).reshape(n, -1, d)
-    if n == 1:
-        return _rows(sources[0], cd).unsqueeze(0)
-    return torch.stack([_rows(v, cd) for v in sources])
+        return stacked.to(cd).reshape(len(sources), -1, sources[0].shape[-1])
+    return [_rows(v, cd) for v in sources]
 
 
-def _weighted_sum(vals: Tensor, a: Tensor) -> Tensor:
-    """sum_i a[i] * vals[i] for vals (n, M, D) and per-token weights a (n, M): a new (M, D) tensor,
-    accumulated in place (one pass per source, no (n, M, D) temporary)."""
+def _logits(vals: Tensor | Sequence[Tensor], queries: Tensor) -> Tensor:
+    """v_i . q_k for every source and query, (n, M, K): one (n M, D) @ (D, K) product on a
+    stacked tensor, one (M, D) @ (D, K) product per source on a list."""
+    if isinstance(vals, Tensor):
+        return torch.matmul(vals, queries.T)
+    return torch.stack([v @ queries.T for v in vals])
+
+
+def _weighted_sum(vals: Tensor | Sequence[Tensor], a: Tensor) -> Tensor:
+    """sum_i a[i] * vals[i] for vals (n, M, D) (or n of (M, D)) and per-token weights a (n, M): a
+    new (M, D) tensor, accumulated in place (one pass per source, no (n, M, D) temporary)."""
     acc = vals[0] * a[0].unsqueeze(-1)
-    for i in range(1, vals.shape[0]):
+    for i in range(1, len(vals)):
         acc.addcmul_(vals[i], a[i].unsqueeze(-1))
     return acc
 
 
 def depth_attention_forward(
-    vals: Tensor,
+    vals: Tensor | Sequence[Tensor],
     r_cache: Tensor | None,
     queries: Tensor,
     prefix_h: Sequence[Tensor],
@@ -128,16 +135,20 @@ def depth_attention_forward(
     eps: float,
     out_norm: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """No-grad forward. vals: the n sources stacked, (n, M, D) in the compute dtype; r_cache:
+    """No-grad forward. vals: the n sources as rows in the compute dtype, stacked (n, M, D) or a
+    list of n (M, D) tensors (`_source_rows`); r_cache:
     their inverse RMS (n, M) or None; queries: (K, D) gain-folded, compute dtype; prefix_h: []
     or K tensors (M, D) whose logit is prefix_lse (K, M); out_norm: None, or (K == 1, no
     prefix) the (D,) weight of a fused output RMSNorm, compute dtype. Returns (outs: K tensors
     (M, D) in the compute dtype, z (K, n, M), lse (K, M), r (n, M), h, n): with out_norm, outs
     is [y] and h the output before the norm, n (M,) its inverse RMS; else both None."""
-    K, n = queries.shape[0], vals.shape[0]
-    r = r_cache.reshape(n, -1) if r_cache is not None else inv_rms(vals, eps)  # (n, M)
-    # one (n M, D) @ (D, K) product: the logits of all K queries in one read of the sources
-    z = torch.matmul(vals, queries.T).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
+    K, n = queries.shape[0], len(vals)
+    if r_cache is not None:
+        r = r_cache.reshape(n, -1)
+    else:  # (n, M)
+        r = inv_rms(vals, eps) if isinstance(vals, Tensor) else torch.stack([inv_rms(v, eps) for v in vals])
+    # the logits of all K queries in one read of the sources
+    z = _logits(vals, queries).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
     zall = z if prefix_lse is None else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)  # (K, n', M)
     lse = torch.logsumexp(zall, dim=1)  # (K, M)
     alpha = _weights(zall, lse)  # (K, n', M)
@@ -155,7 +166,7 @@ def depth_attention_forward(
 
 
 def depth_attention_backward(
-    vals: Tensor,
+    vals: Tensor | Sequence[Tensor],
     r: Tensor,
     queries: Tensor,
     z: Tensor,
@@ -175,7 +186,7 @@ def depth_attention_backward(
     otherwise they may be empty and P_k = sum_i alpha_ki dO_k . v_i. With a fused output norm
     (`out_norm`, and the forward's h and n), `d_outs` are the cotangents of y."""
     cd = queries.dtype
-    K, n, d = queries.shape[0], vals.shape[0], queries.shape[-1]
+    K, n, d = queries.shape[0], len(vals), queries.shape[-1]
     has_prefix = prefix_lse is not None
     zall = z if not has_prefix else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)
     alpha = _weights(zall, lse)  # (K, n', M)
@@ -219,16 +230,123 @@ def depth_attention_backward(
     c = (-(dz * z).sum(dim=0) * r / d).unsqueeze(-1)  # (n, M, 1)
     r_col = r.unsqueeze(-1)  # (n, M, 1)
     a_col = a_src.unsqueeze(-1)  # (K, n, M, 1)
-    # dv_i = sum_k alpha_ki dO_k + r_i sum_k dz_ki q_k + c_i v_i, one (M, D) tensor per source (as
-    # autograd accumulates them), in place
+    # dv_i = c_i (r_i v_i) + sum_k alpha_ki dO_k + r_i sum_k dz_ki q_k, one (M, D) tensor per source
+    # (as autograd accumulates them), in place, the first term formed in dv_i itself: no (M, D)
+    # scratch lives beside the n gradients (the backward's peak). As (c_i r_i) v_i, one pass, where
+    # c_i r_i is a normal number; else (r_i v_i) first, then times c_i (the extreme magnitudes above).
+    # Under torch.compile always the latter (no data-dependent branch; Inductor fuses the two)
+    del scratch
+    cr = c * r_col  # (n, M, 1)
+    one_pass = not torch.compiler.is_compiling() and bool(
+        (torch.isfinite(cr) & ((cr.abs() >= torch.finfo(cd).tiny) | (c == 0))).all())
     dV = []
     for i in range(n):
-        dv = d_o[0] * a_col[0, i]
-        for k in range(1, K):
+        dv = torch.mul(vals[i], cr[i]) if one_pass else torch.mul(vals[i], r_col[i]).mul_(c[i])
+        for k in range(K):
             dv.addcmul_(d_o[k], a_col[k, i])
-        dV.append(dv.addmm_(dzr[i], queries).addcmul_(torch.mul(vals[i], r_col[i], out=scratch), c[i]))
-    d_q = dzr.view(-1, K).T @ vals.reshape(-1, d)  # (K, D): one product over all sources
+        dV.append(dv.addmm_(dzr[i], queries))
+    if isinstance(vals, Tensor):
+        d_q = dzr.view(-1, K).T @ vals.reshape(-1, d)  # (K, D): one product over all sources
+    else:
+        d_q = dzr[0].T @ vals[0]
+        for i in range(1, n):
+            d_q.addmm_(dzr[i].T, vals[i])
     return dV, d_q, d_prefix_h, d_prefix_lse, d_out_norm
+
+
+SECOND_ORDER_STACKED = (
+    "attnres: a second-order gradient (create_graph=True) through depth attention on kernel='torch' reading a "
+    "SourceStack buffer (the Block/Full strategies' eager fast path) is not available: the op keeps the buffer's "
+    "values, not the sources; use kernel='naive' (residual.kernel=naive), or kernel='cpu' for float32/float64 "
+    "CPU tensors"
+)
+
+
+def second_order() -> bool:
+    """Whether a backward running now builds a graph of its own (create_graph=True: its result
+    is differentiated again), so it must run in differentiable operations. Never while torch.compile
+    traces: AOTAutograd traces the backward without create_graph."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _inv_rms_with_grad(v: Tensor, eps: float) -> Tensor:
+    """`inv_rms` of rows (M, D) -> (M,) with gradients, the rows scaled by a constant
+    c = max(1, max|v|) first (as naive.py does) so that no square overflows."""
+    c = v.detach().abs().amax(dim=-1).clamp_min(1.0)  # (M,)
+    u = v / c.unsqueeze(-1)
+    return torch.rsqrt(u.square().mean(dim=-1) + eps / c / c) / c
+
+
+def differentiable_backward(
+    sources: Sequence[Tensor],
+    eps: float,
+    queries: Tensor,
+    z: Tensor,
+    lse: Tensor,
+    prefix_lse: Tensor | None,
+    outs: Sequence[Tensor],
+    d_outs: Sequence[Tensor | None],
+    dz_ext: Tensor | None,
+    dlse: Tensor | None,
+    out_norm: Tensor | None = None,
+) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
+    """`depth_attention_backward` in differentiable operations, for a backward whose result is
+    differentiated again (`second_order`), for every fused path (torch, C++, Triton). Inputs as
+    the op's autograd node keeps them: the sources (..., D) and the gain-folded queries (K, D)
+    with their autograd history, the op's own outputs z (K, n, ...), lse (K, ...) and, with a
+    prefix, `outs` (K of (..., D)), whose history leads back through the op. The key statistics,
+    the weights and (with the fused output norm) h are recomputed from those with gradients, so
+    every derivative of the result is autograd's. The prefixes' values are not needed: their
+    gradient is a_pre dO, and they enter the others only through P_k = dO_k . out_k. Returns
+    (d_sources, d_queries (K, D), d_prefix_h (K), d_prefix_lse (K, ...) or None, d_out_norm (D,)
+    or None) in the dtypes of what they are gradients of."""
+    cd, dtype, shape = queries.dtype, sources[0].dtype, sources[0].shape
+    K, n, d = queries.shape[0], len(sources), shape[-1]
+    # zeros without storage (gradcheck's) are no cotangent
+    d_outs = [None if g is None or g._is_zerotensor() else g for g in d_outs]
+    dz_ext, dlse = (None if g is None or g._is_zerotensor() else g for g in (dz_ext, dlse))
+    vs = [_rows(v, cd) for v in sources]  # (M, D)
+    m = vs[0].shape[0]
+    r = torch.stack([_inv_rms_with_grad(v, eps) for v in vs])  # (n, M)
+    z = z.to(cd).reshape(K, n, m)
+    has_prefix = prefix_lse is not None
+    zall = z if not has_prefix else torch.cat([prefix_lse.to(cd).reshape(K, 1, m), z], dim=1)
+    alpha = torch.softmax(zall, dim=1)  # (K, n', M)
+    a_src = alpha[:, 1:] if has_prefix else alpha
+    d_o = [torch.zeros(m, d, dtype=cd, device=queries.device) if g is None else _rows(g, cd) for g in d_outs]
+    d_out_norm = None
+    if out_norm is not None:  # K == 1, no prefix: from the cotangent of y = h * n * w to that of h
+        h = sum(a_src[0, i].unsqueeze(-1) * v for i, v in enumerate(vs))
+        hn = torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + eps)  # (M, 1)
+        d_out_norm = (d_o[0] * h * hn).sum(dim=0).to(out_norm.dtype)
+        wdy = d_o[0] * out_norm.to(cd)
+        d_o[0] = wdy * hn - (hn * (wdy * h).sum(dim=-1, keepdim=True) * hn / d) * (h * hn)
+    g = torch.stack([torch.stack([(do * v).sum(dim=-1) for v in vs]) for do in d_o])  # (K, n, M): dO_k . v_i
+    ag = (a_src * g).sum(dim=1)  # (K, M)
+    P = torch.stack([(do * _rows(o, cd)).sum(dim=-1) for do, o in zip(d_o, outs, strict=True)]) if has_prefix else ag
+    dz = a_src * (g - P.unsqueeze(1))
+    if dlse is not None:
+        dz = dz + a_src * dlse.to(cd).reshape(K, 1, m)
+    if dz_ext is not None:
+        dz = dz + dz_ext.to(cd).reshape(K, n, m)
+    d_prefix_h: list[Tensor] = []
+    d_prefix_lse = None
+    if has_prefix:
+        a_pre = alpha[:, 0]  # (K, M)
+        d_prefix_lse = P - ag - a_pre * P
+        if dlse is not None:
+            d_prefix_lse = d_prefix_lse + a_pre * dlse.to(cd).reshape(K, m)
+        d_prefix_lse = d_prefix_lse.view(prefix_lse.shape).to(prefix_lse.dtype)
+        d_prefix_h = [(do * a_pre[k].unsqueeze(-1)).view(shape).to(dtype) for k, do in enumerate(d_o)]
+    dzr = dz * r  # (K, n, M)
+    c = -(dz * z).sum(dim=0) * r / d  # (n, M): with (r_i v_i), the derivative through r_i
+    d_src = []
+    for i, v in enumerate(vs):
+        dv = sum(a_src[k, i].unsqueeze(-1) * do for k, do in enumerate(d_o))
+        dv = dv + dzr[:, i].T @ queries + c[i].unsqueeze(-1) * (v * r[i].unsqueeze(-1))
+        d_src.append(dv.view(shape).to(dtype))
+    d_q = sum(dzr[:, i] @ v for i, v in enumerate(vs))  # (K, D)
+    return d_src, d_q, d_prefix_h, d_prefix_lse, d_out_norm
 
 
 class _DepthAttention(torch.autograd.Function):
@@ -236,14 +354,16 @@ class _DepthAttention(torch.autograd.Function):
     caller keeps them anyway: they are sublayer inputs); with a fused output norm, its weight,
     h and n. The sources: with `stacked` (their values, kept by the caller in a buffer it
     only ever appends to) a reference to that; otherwise the sources themselves (references),
-    stacked again in the backward."""
+    read one by one in both directions, never stacked into a copy. A backward that is itself
+    differentiated (`second_order`) runs `differentiable_backward` on the sources; with
+    `stacked` there are none to differentiate, and it says so (SECOND_ORDER_STACKED)."""
 
     @staticmethod
     def forward(eps, queries, r_cache, prefix_lse, out_norm, stacked, *tensors):  # sources, then K prefix_h or none
         n = len(tensors) - (0 if prefix_lse is None else queries.shape[0])
         sources, prefix_h = tensors[:n], tensors[n:]
         shape, dtype, cd = sources[0].shape, sources[0].dtype, queries.dtype
-        vals = _stacked(sources, stacked, cd)
+        vals = _source_rows(sources, stacked, cd)
         outs, z, lse, r, h, h_inv_rms = depth_attention_forward(
             vals, r_cache, queries, [_rows(p, cd) for p in prefix_h], prefix_lse, eps, out_norm
         )
@@ -262,7 +382,7 @@ class _DepthAttention(torch.autograd.Function):
         *outs, z, lse, r, h, h_inv_rms = output
         ctx.has_prefix, ctx.K = prefix_lse is not None, queries.shape[0]
         ctx.n = n = len(tensors) - (ctx.K if ctx.has_prefix else 0)
-        ctx.has_out_norm = out_norm is not None
+        ctx.has_out_norm, ctx.eps = out_norm is not None, eps
         ctx.shape, ctx.dtype = tensors[0].shape, tensors[0].dtype
         ctx.mark_non_differentiable(r, h, h_inv_rms)
         ctx.set_materialize_grads(False)
@@ -283,8 +403,16 @@ class _DepthAttention(torch.autograd.Function):
         n_prefix = K if ctx.has_prefix else 0
         if all(g is None for g in d_outs) and dz_ext is None and dlse is None:
             return (None,) * (6 + n + n_prefix)
+        if second_order():  # create_graph=True: gradients with a graph of their own
+            if sources is None:
+                raise RuntimeError(SECOND_ORDER_STACKED)
+            d_src, d_q, d_pre_h, d_pre_lse, d_out_norm = differentiable_backward(
+                sources, ctx.eps, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse,
+                out_norm if ctx.has_out_norm else None,
+            )
+            return (None, d_q, None, d_pre_lse, d_out_norm, None, *d_src, *d_pre_h)
         cd = queries.dtype
-        vals = _stacked(sources, None, cd) if sources is not None else ctx.stacked.to(cd).reshape(n, -1, shape[-1])
+        vals = _source_rows(sources, None, cd) if sources is not None else ctx.stacked.to(cd).reshape(n, -1, shape[-1])
         if not ctx.has_out_norm:
             out_norm = h = h_inv_rms = None
         else:
@@ -340,7 +468,10 @@ class _MergeOne(torch.autograd.Function):
     as `run_depth_attention` with a prefix, in a few operations instead of a few hundred.
     Saves p and h (references) and three (M,) statistics. Per token, for the cotangent dO:
     dz = (1 - w) (dO . p - dO . h), d_lse = -dz, d_acc = w dO,
-    dp = (1 - w) dO + dz r_p q - (dz z_p) r_p^2 / D p, dq = sum over tokens of dz r_p p."""
+    dp = (1 - w) dO + dz r_p q - (dz z_p) r_p^2 / D p, dq = sum over tokens of dz r_p p.
+    A backward that is itself differentiated (`second_order`) forms the same from p, lse, the
+    query and h (the output, whose history leads back through this op) in differentiable
+    operations, r_p, z_p and w recomputed."""
 
     @staticmethod
     def forward(acc, lse, p, query, eps):
@@ -358,16 +489,28 @@ class _MergeOne(torch.autograd.Function):
         h, r, zp, w = output
         ctx.mark_non_differentiable(r, zp, w)
         ctx.set_materialize_grads(False)
-        ctx.lse_shape = lse.shape
-        ctx.save_for_backward(p, h, query, r, zp, w)
+        ctx.lse_shape, ctx.eps = lse.shape, eps
+        ctx.save_for_backward(p, h, query, r, zp, w, lse)
 
     @staticmethod
     def backward(ctx, dh, *_):
         if dh is None:
             return None, None, None, None, None
-        p, h, query, r, zp, w = ctx.saved_tensors
+        p, h, query, r, zp, w, lse = ctx.saved_tensors
         shape, dtype, cd, d = p.shape, p.dtype, query.dtype, p.shape[-1]
         pr, hr, do = _rows(p, cd), _rows(h, cd), _rows(dh, cd)
+        if second_order():  # create_graph=True: the statistics again, with gradients
+            r = _inv_rms_with_grad(pr, ctx.eps)
+            zp = (pr @ query) * r
+            w = torch.sigmoid(lse.reshape(-1).to(cd) - zp)
+            a_p = 1.0 - w
+            dz = a_p * ((do * pr).sum(dim=-1) - (do * hr).sum(dim=-1))
+            dzr = dz * r
+            c = (-(dz * zp) * r / d).unsqueeze(-1)
+            dp = do * a_p.unsqueeze(-1) + dzr.unsqueeze(-1) * query + (pr * r.unsqueeze(-1)) * c
+            d_acc = (do * w.unsqueeze(-1)).view(shape).to(dtype)
+            d_lse = (-dz).view(ctx.lse_shape).to(lse.dtype)
+            return d_acc, d_lse, dp.view(shape).to(dtype), pr.T @ dzr, None
         a_p = 1.0 - w
         dz = a_p * (torch.linalg.vecdot(do, pr) - torch.linalg.vecdot(do, hr))  # (M,)
         dzr = dz * r

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnres.ops.torch_fused import attend
+from attnres.ops.torch_fused import attend, differentiable_backward, second_order
 
 __all__ = ["fused_depth_attention", "inv_rms", "run_depth_attention"]
 PREFIX_QUERIES = 1  # a prefix (phase-1 result) is taken with one query per call; other kernels take any
@@ -481,7 +481,7 @@ def _(sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse, out_n
 def _setup_context(ctx, inputs, output):
     sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, save_h = inputs
     outs, z, lse, r_new, h, h_inv_rms = output
-    ctx.n, ctx.has_prefix, ctx.q_dtype = len(sources), prefix_lse is not None, queries.dtype
+    ctx.n, ctx.has_prefix, ctx.q_dtype, ctx.eps = len(sources), prefix_lse is not None, queries.dtype, eps
     ctx.has_onorm, ctx.on_dtype = out_norm is not None, None if out_norm is None else out_norm.dtype
     r = r_cache if r_cache is not None else r_new
     ctx.save_for_backward(
@@ -492,6 +492,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, d_outs, dz, dlse, _dr, _dh, _dhn):
     r, queries, z, lse, prefix_lse, out_norm, h, h_inv_rms, *rest = ctx.saved_tensors
     sources, outs = rest[: ctx.n], rest[ctx.n :]
+    if second_order():  # create_graph=True: the backward in differentiable PyTorch operations
+        d_src, d_q, d_pre_h, d_pre_lse, d_on = differentiable_backward(
+            sources, ctx.eps, queries.float(), z, lse, prefix_lse, outs, list(d_outs), dz, dlse,
+            out_norm.float() if ctx.has_onorm else None,
+        )
+        d_on = d_on.to(ctx.on_dtype) if ctx.has_onorm else None
+        return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None, d_on, None
     d_outs = [torch.zeros_like(sources[0]) if g is None else g for g in d_outs]
     if not ctx.has_onorm:
         out_norm = h = h_inv_rms = None

@@ -175,3 +175,20 @@ def test_the_kernel_runs_on_torchs_threads():
         pytest.skip("this torch has no OpenMP")
     assert cpu_fused.available()
     assert cpu_fused._state.get("threads") == "openmp"
+
+
+def test_an_interrupted_openmp_build_is_not_taken_for_a_failed_one(fresh_state, tmp_path):
+    """Ctrl-C (or any signal to the process group) stops ninja with "interrupted by user": that
+    says nothing about OpenMP, so no marker is left that would make every later process build
+    the one-thread kernel; the interruption is raised as it came."""
+    from torch.utils import cpp_extension
+
+    def load(name, sources, extra_cflags, extra_ldflags=None, **kw):
+        raise RuntimeError(f"Error building extension '{name}': ninja: build stopped: interrupted by user.")
+
+    fresh_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    fresh_state.setattr(cpp_extension, "load", load)
+    fresh_state.setattr(torch.backends.openmp, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="interrupted by user"):
+        cpu_fused._build()
+    assert not list(tmp_path.rglob(cpu_fused.OPENMP_FAILED))
