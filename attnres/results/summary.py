@@ -15,6 +15,7 @@ import io
 import os
 import sys
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -163,18 +164,22 @@ def status_counts(statuses: list[str]) -> Counter:
 def format_counts(counts: Counter) -> str:
     """`4 jobs, 3 finished, 1 failed`: the statuses in STATUS_ORDER, then any others."""
     kinds = [k for k in STATUS_ORDER if counts.get(k)] + sorted(k for k in counts if k not in STATUS_ORDER)
-    return ", ".join([f"{sum(counts.values())} jobs", *(f"{counts[k]} {k}" for k in kinds)])
+    total = sum(counts.values())
+    return ", ".join([f"{total} job{'' if total == 1 else 's'}", *(f"{counts[k]} {k}" for k in kinds)])
 
 
-def collect_rows(sweep_dir: Path, *more_dirs: Path) -> list[dict[str, Any]]:
+def collect_rows(sweep_dir: Path, *more_dirs: Path, only: Collection[str] | None = None) -> list[dict[str, Any]]:
     """A row per run folder, plus one per job that was skipped as a duplicate of another; with
-    `more_dirs`, the runs of all those folders together (labelled as one sweep)."""
+    `more_dirs`, the runs of all those folders together (labelled as one sweep); with `only`, the
+    job folders (relative to `sweep_dir`) of one sweep, not the earlier sweeps' in the same folder."""
     rows, overrides = {}, {}
     for folder in (Path(sweep_dir), *map(Path, more_dirs)):
         prefix = f"{folder.name}/" if more_dirs else ""
         notes = read_json(folder / "jobs.json")
         for run_dir in find_job_dirs(folder):
             name = prefix + run_dir.relative_to(folder).as_posix()
+            if only is not None and name not in only:
+                continue
             rows[name] = _job_row(run_dir)
             found = job_overrides(run_dir)
             overrides[name] = found if found is not None else overrides_by_key(split_overrides(run_dir.name))
@@ -248,11 +253,13 @@ def verdict_lines(found: list[verdict.Comparison], rows: list[dict[str, Any]]) -
     return ["No verdicts: every configuration of this sweep is a standard-residual baseline."]
 
 
-def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | None = None) -> list[dict[str, Any]]:
+def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | None = None,
+                        only: Collection[str] | None = None) -> list[dict[str, Any]]:
     """summary.csv, summary.md and summary.png in `sweep_dir`, from its runs (and those of
-    `more_dirs`). Returns the rows, with their verdict columns."""
+    `more_dirs`; with `only`, of the sweep that just ran alone). Returns the rows, with their verdict columns."""
     sweep_dir = Path(sweep_dir)
-    rows = collect_rows(sweep_dir, *more_dirs)
+    rows = collect_rows(sweep_dir, *more_dirs, only=only)
+    left_out = 0 if only is None else sum(d.relative_to(sweep_dir).as_posix() not in only for d in find_job_dirs(sweep_dir))
     metric = primary_metric(rows)
     found = attach_verdicts(rows, metric)
     buffer = io.StringIO()
@@ -270,6 +277,9 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     lines += ["", "## Jobs", "",
               f"{total}{': ' + counts if counts else ''}. The job column lists the overrides that differ; "
               f"diff is the run's {metric} minus its baseline's at the same seed.", ""]
+    if left_out > 0:
+        lines[-1:-1] = [f"This folder also holds {left_out} run(s) of earlier sweeps, not listed here; "
+                        f"`python experiments/summarize.py {sweep_dir}` lists every run in it.", ""]
     lines.append("| " + " | ".join(MD_COLUMNS) + " |")
     lines.append("|" + "---|" * len(MD_COLUMNS))
     for r in rows:

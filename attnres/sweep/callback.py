@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from attnres.config.errors import user_errors
 from attnres.results import verdict
 from attnres.results.summary import format_counts, primary_metric, terminal_table, verdict_lines, write_sweep_summary
-from attnres.sweep.plan import no_jobs_error, record_outcome
+from attnres.sweep.plan import folder_key, no_jobs_error, record_outcome, sweep_jobs
 from attnres.sweep.slots import lock_sweep_dir
 
 
@@ -34,7 +34,7 @@ class SweepSummary(Callback):
         if not counts:  # launchers that never call ours (basic, SLURM) with nothing to run
             with user_errors():
                 raise no_jobs_error(config)
-        rows = write_sweep_summary(sweep_dir)
+        rows = write_sweep_summary(sweep_dir, only=sweep_jobs.get(folder_key(sweep_dir)) or None)  # this sweep's jobs
         print(terminal_table(rows), flush=True)
         lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows)
         for line in lines:

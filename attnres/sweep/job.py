@@ -24,12 +24,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from attnres.atomic import write_json
-from attnres.sweep import slots, slurm_job
+from attnres.atomic import read_json, write_json
+from attnres.sweep import slots, slurm_job, stopping
 from attnres.sweep.plan import folder_key, read_status, sweep_jobs
 from attnres.sweep.slots import (
     PARENT_ENV,
     SLOTS_ENV,
+    _sweep_of_worker,
     claim_slot,
     default_lock_dir,
     die_with_parent,
@@ -104,8 +105,16 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     slot = None
     if slurm_job.in_slurm_job() and not slurm_job.continue_own_run(cfg, run_dir):
         return  # a requeue of a job whose run has finished
-    if SLOTS_ENV in os.environ:
-        slot = claim_slot(Path(os.environ.get("ATTNRES_LOCK_DIR", default_lock_dir())))[0]
+    stop_file = _sweep_of_worker().get("stop_file")
+    if SLOTS_ENV in os.environ:  # a ParallelLauncher worker: the sweep process takes the signals
+        stopping.ignore_signals()
+        stopped = lambda: stopping.requested(stop_file)[0] is not None  # noqa: E731
+        claim = None if stopped() else claim_slot(Path(os.environ.get("ATTNRES_LOCK_DIR", default_lock_dir())),
+                                                  stop=stopped)
+        if claim is None:
+            log.info(f"job {HydraConfig.get().job.num}: not started, the sweep was stopped ({run_dir})")
+            return
+        slot = claim[0]
     else:  # the basic launcher runs the jobs in the sweep process: count them for exit_status
         with contextlib.suppress(Exception):
             sweep_dir = Path(str(HydraConfig.get().sweep.dir))
@@ -138,14 +147,15 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
                 proc = subprocess.Popen(
                     [*JOB_PROCESS, str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
                     env=env, pass_fds=(slots.claimed[1],) if slot is not None and slots.claimed else (),
+                    start_new_session=slot is not None,  # signals reach it once: through its worker
                 )
             slots.current_job = proc
             if slot is not None and slots.claimed:  # a stale-lock check can then find the job process too
                 slots.slot_info.update(child=proc.pid, child_start=process_start(proc.pid), run_dir=str(run_dir))
                 write_lock(slots.claimed[1], slots.slot_info)
-            proc.wait()
+            stopping.wait_forwarding(proc, stop_file if slot is not None else None)
         end = time.time()
-        _record_end(proc, run_dir, job_info, end - start)
+        _record_end(proc, run_dir, job_info, end - start, stopping.requested(stop_file)[0])
         write_json(run_dir / "slot.json", {"slot": job_info["slot"], "device": job_info["device"], "pid": proc.pid,
                                            "worker_pid": os.getpid(), "start": start, "end": end})
     finally:
@@ -159,12 +169,18 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     log.info(f"{name}: {read_status(run_dir) or 'no status'} on {where} after {end - start:.0f} s")
 
 
-def _record_end(proc: subprocess.Popen, run_dir: Path, job_info: dict[str, Any], wall_time_s: float) -> None:
+def _record_end(proc: subprocess.Popen, run_dir: Path, job_info: dict[str, Any], wall_time_s: float,
+                stopped_by: signal.Signals | None = None) -> None:
     """metrics.json for a job process that could not say how it ended."""
     status = read_status(run_dir)
-    if status in ("failed", "interrupted") or (status == "finished" and proc.returncode == 0):
+    by_signal = proc.returncode < 0 or "KeyboardInterrupt" in str(read_json(run_dir / "metrics.json").get("error"))
+    if stopped_by is not None and status not in ("finished", "interrupted") and by_signal:
+        # stopped before its handlers were in place, or at once by a second signal
+        why = f"stopped by {stopped_by.name} sent to the sweep; resume=true continues it from its last checkpoint"
+        record = {"status": "interrupted", "error": why}
+    elif status in ("failed", "interrupted") or (status == "finished" and proc.returncode == 0):
         return
-    if slots.orphaned.is_set():  # the watchdog stopped it: the sweep died
+    elif slots.orphaned.is_set():  # the watchdog stopped it: the sweep died
         why = f"stopped when its sweep process died (exit status {proc.returncode}); resume=true continues it"
         record = {"status": "interrupted", "error": why}
     elif proc.returncode != 0:  # died without saying why: it was killed

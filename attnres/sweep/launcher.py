@@ -23,6 +23,7 @@ from hydra_plugins.hydra_joblib_launcher._core import launch as joblib_launch
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
 
 from attnres.sweep.plan import AttnresLauncher, plan_jobs
+from attnres.sweep.stopping import SweepStop, ignore_signals
 from attnres.sweep.slots import (
     SLOTS_ENV,
     SWEEP_ENV,
@@ -52,8 +53,9 @@ class ParallelLauncher(AttnresLauncher, JoblibLauncher):
         slots = plan_slots(visible_gpus(), self.jobs_per_gpu, self.cpu_jobs)
         os.environ[SLOTS_ENV] = json.dumps([asdict(s) for s in slots])  # workers inherit it
         os.environ["ATTNRES_LOCK_DIR"] = str(self.lock_dir)
+        stop = SweepStop(sweep_dir)
         os.environ[SWEEP_ENV] = json.dumps({"pid": os.getpid(), "start": process_start(os.getpid()),
-                                            "grace_s": self.stop_grace_s})
+                                            "grace_s": self.stop_grace_s, "stop_file": str(stop.path)})
         # the orphans of a sweep that died (a resumed sweep's previous run) end before any job starts
         reap_stale_slots(self.lock_dir, self.stop_grace_s, wait_s=self.stop_grace_s + 10)
 
@@ -66,7 +68,9 @@ class ParallelLauncher(AttnresLauncher, JoblibLauncher):
         results: Sequence[JobReturn] = []
         if to_run:
             self.joblib["n_jobs"] = min(len(slots), len(to_run))
-            results = joblib_launch(self, job_overrides=to_run, initial_job_idx=initial_job_idx)
+            self.joblib["initializer"] = ignore_signals  # a worker's first act: the sweep process takes the signals
+            with stop.catching():  # Ctrl-C / SIGTERM: the jobs save, the summary is still written
+                results = joblib_launch(self, job_overrides=to_run, initial_job_idx=initial_job_idx)
         return results  # the summary is written by the SweepSummary callback (conf/config.yaml)
 
 

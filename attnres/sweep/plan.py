@@ -158,7 +158,12 @@ def record_outcome(sweep_dir: Path) -> Counter:
 
 def exit_status() -> int:
     """The process's exit status after `attnres-run` returns: 0 unless a sweep ran in this
-    process and some of its jobs did not finish (failed, interrupted, or no status): then 1."""
+    process and some of its jobs did not finish (failed, interrupted, or no status): then 1; a sweep
+    stopped by SIGINT or SIGTERM (`stopping`) exits as a stopped single run does, 130 or 143."""
+    from attnres.sweep import stopping
+
+    if stopping.stopped_by is not None:
+        return 128 + int(stopping.stopped_by)
     for sweep_dir in sweep_jobs:  # the summary callback was not configured: count here
         if sweep_dir not in outcomes:
             record_outcome(Path(sweep_dir))

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,10 +220,12 @@ def _sweep_of_worker() -> dict[str, Any]:
         return {}
 
 
-def claim_slot(lock_dir: Path, poll_s: float = 0.5) -> tuple[Slot, int]:
+def claim_slot(
+    lock_dir: Path, poll_s: float = 0.5, stop: Callable[[], bool] | None = None,
+) -> tuple[Slot, int] | None:
     """Lock a free slot of the launcher's plan for this process, for one job (`release_slot` frees
     it when the job has ended: a worker with no job left must not hold a slot that another sweep's
-    worker waits for); returns (slot, lock fd)."""
+    worker waits for); returns (slot, lock fd), or None when `stop()` turns true while it waits."""
     global claimed
     if claimed is not None:
         return claimed
@@ -252,6 +254,8 @@ def claim_slot(lock_dir: Path, poll_s: float = 0.5) -> tuple[Slot, int]:
         if waiting_since is None:  # every slot is held (e.g. by another sweep on this machine): wait
             waiting_since = time.monotonic()
             log.info(f"all {len(slots)} slots in {lock_dir} are held by live processes; waiting for one")
+        if stop is not None and stop():
+            return None
         time.sleep(poll_s)
 
 

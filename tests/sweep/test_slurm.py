@@ -377,7 +377,7 @@ def test_a_sweep_survives_cancel_requeue_and_time_limit(cluster, tmp_path):
                   "resume=true", cwd=tmp_path)
     out, _ = again.communicate(timeout=300)
     assert again.returncode == 0, out[-3000:]
-    assert "0 to run" in out and "sweep: 1 jobs, 1 finished" in out, out[-3000:]
+    assert "0 to run" in out and "sweep: 1 job, 1 finished" in out, out[-3000:]
     assert (limited_run / "metrics.json").read_bytes() == before
 
 

@@ -1,0 +1,71 @@
+"""Stopping a sweep (issue "Trust, round two", item 8): Ctrl-C to the terminal's process group, or
+SIGTERM to the sweep's pid alone, lets every running job finish its step and save, leaves the jobs
+not started unstarted, writes the summary and its count line, and exits 130 / 143 without a
+traceback; a sweep run after another into the same folder lists its own jobs alone (item 11)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import CLI, cli_env, run_cli, tiny
+
+LONG = tiny("callbacks.periodic_checkpoint.every_n_steps=2", steps=100_000, val_every=100_000, progress_bar=False)
+
+
+def _wait(predicate, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "group", "code"), [(signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)],
+                         ids=["ctrl-c-to-the-group", "sigterm-to-the-pid"])
+def test_a_stopped_sweep_saves_its_jobs_and_writes_its_summary(tmp_path, sig, group, code):
+    args = ["-m", *LONG, "seed=0,1,2", "hydra.sweep.dir=sweep", "hydra.launcher.cpu_jobs=2",
+            f"hydra.launcher.lock_dir={tmp_path}/locks"]
+    out = tmp_path / "sweep.out"
+    proc = subprocess.Popen([*CLI, *args], cwd=tmp_path, env=cli_env(), stdout=open(out, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)  # as a terminal starts it
+    try:
+        saved = _wait(lambda: len(list(tmp_path.glob("sweep/*/checkpoints/last.ckpt"))) >= 2 or proc.poll() is not None,
+                      240)
+        assert saved and proc.poll() is None, out.read_text()[-3000:]
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        assert proc.wait(timeout=120) == code, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert "Traceback" not in text and "leaked" not in text, text[-3000:]
+    assert "sweep: 3 jobs, 2 interrupted, 1 unfinished" in text, text[-2000:]
+    assert (tmp_path / "sweep" / "summary.md").is_file()
+    stopped = [json.loads(p.read_text()) for p in tmp_path.glob("sweep/*/metrics.json")]
+    assert [m["status"] for m in stopped] == ["interrupted", "interrupted"], stopped
+    assert not list(tmp_path.glob("sweep/**/.*.tmp"))
+    import torch
+
+    for ckpt in tmp_path.glob("sweep/*/checkpoints/last.ckpt"):  # whole, and saved when the job stopped
+        assert torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] >= 2
+
+
+@pytest.mark.slow
+def test_a_second_sweep_into_a_folder_lists_its_own_jobs(tmp_path):
+    common = ["-m", *tiny(steps=2, val_every=2), "hydra.sweep.dir=sweep", f"hydra.launcher.lock_dir={tmp_path}/locks"]
+    first = run_cli(*common, "seed=0,1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_cli(*common, "seed=2", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "sweep: 1 job, 1 finished" in second.stdout, second.stdout[-2000:]
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "seed=0" not in summary and "2 run(s) of earlier sweeps" in summary, summary
