@@ -150,14 +150,14 @@ def _store_lock(tracking_uri: str) -> Iterator[None]:
 class MLflowLogger(Tracker, LightningMLFlowLogger):
     """Lightning's MLFlowLogger, one MLflow run per run folder: the experiment is `experiment_name`,
     else the sweep's folder for a sweep job and the config's `name` for a single run; the run is
-    named after its folder and tagged with it (`attnres.run_dir`, and `attnres.sweep`)."""
+    named after its folder and tagged with it (`attnres_run_dir`, and `attnres_sweep`)."""
 
     def __init__(self, tracking_uri: str, experiment_name: str | None = None, run_name: str | None = None,
                  tags: Mapping[str, Any] | None = None, *, run_dir: str, sweep: str | None = None,
                  name: str = "default", hparams: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        run_tags = {**dict(tags or {}), "attnres.run_dir": str(Path(run_dir).absolute())}
+        run_tags = {**dict(tags or {}), "attnres_run_dir": str(Path(run_dir).absolute())}
         if sweep:
-            run_tags["attnres.sweep"] = sweep
+            run_tags["attnres_sweep"] = sweep
         with _store_lock(tracking_uri):  # MlflowClient opens (and on first use creates) the store
             super().__init__(experiment_name=experiment_name or sweep or name, run_name=run_name or Path(run_dir).name,
                              tracking_uri=tracking_uri, tags=run_tags, **kwargs)
@@ -191,7 +191,7 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
         step = int(summary.get("steps") or 0)
         now = int(time.time() * 1000)
         metrics = [Metric(key=k, value=float(v), timestamp=now, step=step) for k, v in final_numbers(summary).items()]
-        tags = [RunTag("attnres.status", str(summary.get("status")))]
+        tags = [RunTag("attnres_status", str(summary.get("status")))]
         self.experiment.log_batch(run_id=self.run_id, metrics=metrics, tags=tags)
         self.close("success" if summary.get("status") == "finished" else "failed")
         return (f"  MLflow       mlflow ui --backend-store-uri {self._tracking_uri}  "
@@ -200,7 +200,7 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
     @classmethod
     def log_sweep(cls, node: DictConfig, sweep_dir: Path, lines: Sequence[str]) -> None:
         """The verdict lines and summary.md as the sweep's experiment's note (its description in
-        the MLflow UI), and each verdict line as an experiment tag `attnres.verdict.N`."""
+        the MLflow UI), and each verdict line as an experiment tag `attnres_verdict_N`."""
         from mlflow.tracking import MlflowClient
 
         uri = str(node.tracking_uri)
@@ -214,7 +214,7 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
             note = summary.read_text() if summary.is_file() else "\n".join(f"- {line}" for line in lines)
             client.set_experiment_tag(experiment.experiment_id, "mlflow.note.content", note[:20000])
             for i, line in enumerate(lines):
-                client.set_experiment_tag(experiment.experiment_id, f"attnres.verdict.{i}", line[:8000])
+                client.set_experiment_tag(experiment.experiment_id, f"attnres_verdict_{i}", line[:8000])
 
 
 class WandbLogger(Tracker, LightningWandbLogger):
