@@ -156,15 +156,15 @@ def test_a_paper_scale_sweep_on_the_stdlib_corpus_is_refused_before_it_starts(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("experiment", "narrow", "runs"), [
-    ("paper_scaling", ["size=194m,241m"], 6),
-    ("paper_blocksize", ["num_blocks=32,4,1"], 4),  # standard runs once: the other two are its duplicates
-    ("paper_ablations", [f"{ROW}=baseline,mhc,full_window,block_multihead"], 4),
+    ("paper_scaling", ["size=194m"], 3),
+    ("paper_blocksize", ["num_blocks=32,1"], 3),  # standard runs once: the other is its duplicate
+    ("paper_ablations", [f"{ROW}=baseline,mhc,block_multihead"], 3),
 ], ids=["scaling", "blocksize", "ablations"])
 def test_the_cpu_variant_runs(tmp_path, experiment, narrow, runs):
-    """The smallest sizes (or a few rows) of each experiment at scale=cpu, 5% of its tokens: too few
-    steps to measure tokens/s after warm-up, which the verdicts say."""
+    """The smallest size (or a few rows) of each experiment at scale=cpu, 5% of its tokens (3 to 11
+    steps): too few to measure tokens/s after warm-up, which the verdicts say."""
     result = run_cli("-m", f"experiment={experiment}", "scale=cpu", "budget=0.05", *narrow, "data.max_files=40",
-                     "logger=none", cwd=tmp_path, timeout=900)
+                     "data.val_batches=1", "logger=none", cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert out.startswith(f"{experiment}: {runs} jobs to run"), out[:500]
@@ -172,7 +172,7 @@ def test_the_cpu_variant_runs(tmp_path, experiment, narrow, runs):
     finished = list(tmp_path.glob(f"multirun/{experiment}/*/metrics.json"))
     assert len(finished) == runs
     verdicts = [line for line in out.splitlines() if line.startswith("verdict: ")]
-    assert len(verdicts) == runs - (2 if experiment == "paper_scaling" else 1), out[-3000:]  # all but baselines
+    assert len(verdicts) == runs - 1, out[-3000:]  # all but the baseline
     assert all(line.endswith(verdict.NO_TOKENS_PER_SEC) for line in verdicts), verdicts
 
 
