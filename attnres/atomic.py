@@ -27,12 +27,19 @@ def _file_mode() -> int:
 
 FILE_MODE = _file_mode()
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+#: a write refused by the disk or the folder, not by the program: reported in one line naming the file
+WRITE_ERRORS = (*DISK_FULL, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        if err.errno in WRITE_ERRORS:
+            raise OSError(err.errno, os.strerror(err.errno), str(path)) from err  # the file, not its temporary
+        raise
     try:
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
@@ -42,7 +49,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         os.replace(tmp, path)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.errno in DISK_FULL and err.filename is None:
+        if isinstance(err, OSError) and err.errno in WRITE_ERRORS and err.filename in (None, tmp):
             raise OSError(err.errno, os.strerror(err.errno), str(path)) from err  # say which file
         raise
 

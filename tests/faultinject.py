@@ -91,18 +91,20 @@ class NaNAt(pl.Callback):
 
 
 class DiskFullAt(pl.Callback):
-    """From optimiser step `step` on, every atomic write fails with ENOSPC, as on a full disk
-    (used where no small tmpfs can be mounted)."""
+    """From optimiser step `step` on, every atomic write fails with `error` (ENOSPC, as on a full
+    disk, used where no small tmpfs can be mounted; EACCES or EROFS, as in a folder made unwritable
+    or a disk remounted read-only, which root cannot make of a folder in use)."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, error: str = "ENOSPC") -> None:
         self.step = step
+        code = getattr(errno, error)
         real_fsync = attnres_io.os.fsync
         callback = self
         self.active = False
 
         def fsync_or_full(fd: int) -> None:
             if callback.active:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise OSError(code, os.strerror(code))
             real_fsync(fd)
 
         attnres_io.os.fsync = fsync_or_full
@@ -110,3 +112,26 @@ class DiskFullAt(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.step:
             self.active = True
+
+
+class FillDiskAtSweepEnd:
+    """A Hydra callback (`+hydra.callbacks.fill._target_=faultinject.FillDiskAtSweepEnd`): when the
+    sweep ends, before the summary is written (Hydra ends callbacks in reverse order), fill the disk
+    that holds `path` with that file, as another program could."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_multirun_end(self, *args: Any, **kwargs: Any) -> None:
+        with open(self.path, "wb") as f:
+            try:
+                while True:
+                    f.write(bytes(1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+
+    def __getattr__(self, name: str) -> Any:  # every other Hydra callback event: nothing
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)

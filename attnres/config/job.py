@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -186,19 +187,34 @@ def _raw(cfg: DictConfig, key: str) -> Any:
     return node._get_node(leaf)._value() if isinstance(node, DictConfig) and leaf in node else None
 
 
+#: what a run writes before its first step (Hydra's .hydra/ and the log: about 10 KB), with room to spare
+PROBE_BYTES = 64 * 1024
+
+
 def check_creatable(folder: Path, what: str, fix: str) -> None:
-    """`folder` exists as a writable folder or can be made: probed with a temporary folder in
-    its nearest existing ancestor, removed at once (a root user passes permission bits)."""
+    """`folder` exists as a writable folder or can be made, on a disk with room for a run's first
+    files: probed with a temporary folder in its nearest existing ancestor and PROBE_BYTES written
+    into it, removed at once (a root user passes permission bits, not a full or read-only disk)."""
     existing = folder.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"cannot create {what} {folder}: {existing} is a file, not a folder; {fix}")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".attnres-probe-", dir=existing))
+        probe = tempfile.mkdtemp(prefix=".attnres-probe-", dir=existing)
     except OSError as err:
         raise ConfigError(f"cannot create {what} {folder}: {existing} does not take new folders "
                           f"({err.strerror}); {fix}") from err
+    try:
+        with open(os.path.join(probe, "probe"), "wb") as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise ConfigError(f"cannot write {what} {folder}: {existing} takes no new files ({err.strerror}); free some "
+                          f"space there, or {fix[0].lower() + fix[1:]}") from err
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -136,6 +136,7 @@ def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: 
 sweep_jobs: dict[str, dict[str, str | None]] = {}
 outcomes: dict[str, Counter] = {}  # sweep folder -> how its jobs ended (record_outcome)
 OK_STATUSES = ("finished", "duplicate")  # any other status of a job makes the exit status 1
+summary_unwritten: list[Path] = []  # sweep folders whose summary a full disk refused (SweepSummary)
 
 
 def folder_key(sweep_dir: Path) -> str:
@@ -164,6 +165,8 @@ def exit_status() -> int:
 
     if stopping.stopped_by is not None:
         return 128 + int(stopping.stopped_by)
+    if summary_unwritten:  # a write the disk refused, as for a single run
+        return 2
     for sweep_dir in sweep_jobs:  # the summary callback was not configured: count here
         if sweep_dir not in outcomes:
             record_outcome(Path(sweep_dir))

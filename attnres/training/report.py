@@ -19,7 +19,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from attnres.atomic import DISK_FULL, write_json
+from attnres.atomic import DISK_FULL, WRITE_ERRORS, write_json
 from attnres.config.errors import ConfigError
 from attnres.training.checkpoints import describe_checkpoint
 from attnres.training.faults import Interrupted, RunEnded
@@ -161,10 +161,22 @@ def end_nonfinite(err: BaseException, trainer: pl.Trainer, module: Any, run_dir:
                     "see nonfinite.policy (stop, skip, rollback) in docs/runs.md", 1)
 
 
+def write_error(err: OSError, run_dir: Path | None = None) -> str:
+    """One line for a write the disk or the folder refused: which file, what is kept, what to do."""
+    where = f" writing {err.filename}" if err.filename else ""
+    kept = f"; kept: {describe_checkpoint(run_dir / 'checkpoints' / 'last.ckpt')}" if run_dir is not None else ""
+    if err.errno in DISK_FULL:
+        return f"disk full{where}{kept}; free some space, then rerun with resume=true"
+    folder = Path(err.filename).parent if err.filename else run_dir
+    return (f"cannot write{where.replace(' writing', '')} ({err.strerror}){kept}; make {folder} writable again, "
+            "then rerun with resume=true")
+
+
 @contextlib.contextmanager
 def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
     """How a single run ends for the user: one line on stderr and its exit status for a run that
-    stopped on purpose (`RunEnded`: a signal, a non-finite loss) or on a full disk; any error
+    stopped on purpose (`RunEnded`: a signal, a non-finite loss) or on a write the disk refused
+    (full, read-only, no permission: `write_error`); any error
     goes to `attnres.log` with its traceback, the terminal shows what `user_errors` shows."""
     try:
         yield
@@ -174,14 +186,9 @@ def run_outcome(run_dir: Path | None = None) -> Iterator[None]:
         sys.exit(err.exit_code)
     except OSError as err:
         log_traceback(err)
-        if err.errno not in DISK_FULL or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if err.errno not in WRITE_ERRORS or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        where = f" writing {err.filename}" if err.filename else ""
-        kept = ""
-        if run_dir is not None:
-            kept = f"; kept: {describe_checkpoint(run_dir / 'checkpoints' / 'last.ckpt')}"
-        print(f"attnres-run: error: disk full{where}{kept}; free some space, then rerun with resume=true",
-              file=sys.stderr)
+        print(f"attnres-run: error: {write_error(err, run_dir)}", file=sys.stderr)
         sys.exit(2)
     except BaseException as err:
         log_traceback(err)
@@ -220,7 +227,24 @@ def report(text: str) -> None:
 
 def share_log_file() -> None:
     """Lightning's own messages go to the run's log file too (Lightning does not propagate them
-    to the root logger, where Hydra puts the file handler)."""
+    to the root logger, where Hydra puts the file handler); a log file that cannot be written
+    (a full disk) says so once, in one line, instead of a traceback per message."""
     _to_log_file(logging.getLogger("pytorch_lightning"))
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handleError = _log_error_once(handler)  # type: ignore[method-assign]
+
+
+def _log_error_once(handler: logging.FileHandler) -> Any:
+    said = []
+
+    def handle_error(record: logging.LogRecord) -> None:
+        if not said:
+            said.append(True)
+            err = sys.exc_info()[1]
+            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            print(f"attnres-run: warning: cannot write the log file {handler.baseFilename} ({why}); its lines are "
+                  "lost until it can", file=sys.stderr, flush=True)
+    return handle_error
 
 

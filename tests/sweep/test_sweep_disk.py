@@ -1,0 +1,39 @@
+"""A full disk as a sweep ends (issue "Trust, round two", item 9): one line, the jobs' results kept,
+exit 2; the same command with resume=true writes the summary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.helpers import faultinject_env, run_cli, tiny
+
+
+@pytest.mark.slow
+def test_a_full_disk_as_the_sweep_ends_keeps_the_jobs_and_resume_writes_the_summary(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        sweep = ["-m", *tiny(steps=2, val_every=2), "seed=0,1", f"hydra.sweep.dir={disk}/sweep",
+                 f"hydra.launcher.lock_dir={tmp_path}/locks"]
+        fill = ["+hydra.callbacks.fill._target_=faultinject.FillDiskAtSweepEnd",
+                f"+hydra.callbacks.fill.path={disk}/fill"]
+        result = run_cli(*sweep, *fill, cwd=tmp_path, env=faultinject_env())
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        lines = [line for line in result.stderr.splitlines() if line.startswith("attnres-run:")]
+        assert len(lines) == 1 and "disk full writing the sweep's summary" in lines[0], result.stderr[-3000:]
+        assert "resume=true" in lines[0] and "sweep: 2 jobs, 2 finished -> no summary" in result.stdout
+        assert not (disk / "sweep" / "summary.md").exists()
+        assert len(list((disk / "sweep").glob("*/checkpoints/last.ckpt"))) == 2
+        (disk / "fill").unlink()
+        again = run_cli(*sweep, "resume=true", cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "0 to run" in again.stdout and (disk / "sweep" / "summary.md").is_file(), again.stdout[-2000:]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
