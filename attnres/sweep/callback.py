@@ -3,15 +3,18 @@ sweep folder locked for the sweep's life, and the summary written when it ends."
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from attnres.atomic import DISK_FULL, WRITE_ERRORS
 from attnres.config.errors import user_errors
 from attnres.results import verdict
 from attnres.results.summary import format_counts, primary_metric, terminal_table, verdict_lines, write_sweep_summary
+from attnres.sweep import plan
 from attnres.sweep.plan import folder_key, no_jobs_error, record_outcome, sweep_jobs
 from attnres.sweep.slots import lock_sweep_dir
 
@@ -34,7 +37,18 @@ class SweepSummary(Callback):
         if not counts:  # launchers that never call ours (basic, SLURM) with nothing to run
             with user_errors():
                 raise no_jobs_error(config)
-        rows = write_sweep_summary(sweep_dir, only=sweep_jobs.get(folder_key(sweep_dir)) or None)  # this sweep's jobs
+        try:
+            rows = write_sweep_summary(sweep_dir, only=sweep_jobs.get(folder_key(sweep_dir)) or None)  # this sweep's
+        except OSError as err:  # a full disk as the sweep ends: the jobs' results are whole, the summary waits
+            if err.errno not in WRITE_ERRORS:
+                raise
+            plan.summary_unwritten.append(sweep_dir)
+            why = "disk full" if err.errno in DISK_FULL else f"cannot write ({err.strerror})"
+            print(f"attnres-run: error: {why} writing the sweep's summary {err.filename or sweep_dir}; the jobs' "
+                  f"results are whole in {sweep_dir}: free some space, then run the same command with resume=true "
+                  "to write it", file=sys.stderr, flush=True)
+            print(f"sweep: {format_counts(counts)} -> no summary (not written)", flush=True)
+            return
         print(terminal_table(rows), flush=True)
         lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows)
         for line in lines:
