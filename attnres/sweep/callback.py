@@ -56,7 +56,7 @@ class SweepSummary(Callback):
         if _tracked(config):  # to MLflow / W&B, when the jobs tracked there
             from attnres.training.trackers import log_sweep  # here: it loads Lightning, which a sweep needs not
 
-            log_sweep(config, sweep_dir, lines)
+            log_sweep(config, sweep_dir, lines, rows)
         print(f"sweep: {format_counts(counts)} -> {sweep_dir / 'summary.md'}", flush=True)
 
 

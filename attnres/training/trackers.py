@@ -198,10 +198,14 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
                 f"(experiment {self._experiment_name}, run {self._run_name})")
 
     @classmethod
-    def log_sweep(cls, node: DictConfig, sweep_dir: Path, lines: Sequence[str]) -> None:
-        """The verdict lines and summary.md as the sweep's experiment's note (its description in
-        the MLflow UI), and each verdict line as an experiment tag `attnres_verdict_N`."""
+    def log_sweep(cls, node: DictConfig, sweep_dir: Path, lines: Sequence[str],
+                  rows: Sequence[Mapping[str, Any]] = ()) -> None:
+        """The verdict lines, then summary.md, as the sweep's experiment's note (its description
+        in the MLflow UI, which shows the first line folded), each verdict line as an experiment
+        tag `attnres_verdict_N`, and each job's run renamed to the summary's short label (the
+        overrides that differ between the jobs; the folder stays in `attnres_run_dir`)."""
         from mlflow.tracking import MlflowClient
+        from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
         uri = str(node.tracking_uri)
         name = OmegaConf.select(node, "experiment_name", default=None) or sweep_label(sweep_dir)
@@ -211,10 +215,18 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
             if experiment is None:  # no job reached its tracker
                 return
             summary = sweep_dir / "summary.md"
-            note = summary.read_text() if summary.is_file() else "\n".join(f"- {line}" for line in lines)
+            note = "\n\n".join(f"verdict: {line}" for line in lines)
+            if summary.is_file():
+                note += "\n\n" + summary.read_text()
             client.set_experiment_tag(experiment.experiment_id, "mlflow.note.content", note[:20000])
             for i, line in enumerate(lines):
                 client.set_experiment_tag(experiment.experiment_id, f"attnres_verdict_{i}", line[:8000])
+            labels = {str(Path(r["path"]).absolute()): str(r["job"]) for r in rows
+                      if r.get("path") and r.get("job") and not str(r.get("status", "")).startswith("duplicate")}
+            for run in client.search_runs([experiment.experiment_id], max_results=50000):
+                label = labels.get(run.data.tags.get("attnres_run_dir", ""))
+                if label and run.info.run_name != label:
+                    client.set_tag(run.info.run_id, MLFLOW_RUN_NAME, label[:MAX_VALUE_CHARS])
 
 
 class WandbLogger(Tracker, LightningWandbLogger):
@@ -251,7 +263,8 @@ class WandbLogger(Tracker, LightningWandbLogger):
         return f"  W&B          {getattr(self._experiment, 'url', None) or 'run ' + str(self._name)}"
 
     @classmethod
-    def log_sweep(cls, node: DictConfig, sweep_dir: Path, lines: Sequence[str]) -> None:
+    def log_sweep(cls, node: DictConfig, sweep_dir: Path, lines: Sequence[str],
+                  rows: Sequence[Mapping[str, Any]] = ()) -> None:
         """A `sweep summary` run in the sweep's group: the verdict lines as its notes and summary."""
         import wandb
 
@@ -319,9 +332,11 @@ def finish_trackers(loggers: Sequence[Any], summary: Mapping[str, Any]) -> list[
     return lines
 
 
-def log_sweep(config: DictConfig, sweep_dir: Path, lines: Sequence[str]) -> None:
-    """Send a sweep's verdict lines to the trackers its jobs used; a tracker that fails says so in
-    one line and the sweep's own summary stands."""
+def log_sweep(config: DictConfig, sweep_dir: Path, lines: Sequence[str],
+              rows: Sequence[Mapping[str, Any]] = ()) -> None:
+    """Send a sweep's verdict lines (and, for MLflow, the summary's short job labels as run names;
+    `rows` are the summary's) to the trackers its jobs used; a tracker that fails says so in one
+    line and the sweep's own summary stands."""
     import sys
 
     from hydra.utils import get_class
@@ -332,7 +347,7 @@ def log_sweep(config: DictConfig, sweep_dir: Path, lines: Sequence[str]) -> None
             target = OmegaConf.select(node, "_target_", default=None)
             cls = get_class(target) if isinstance(target, str) else None
             if isinstance(cls, type) and issubclass(cls, Tracker):
-                cls.log_sweep(node, sweep_dir, lines)
+                cls.log_sweep(node, sweep_dir, lines, rows)
         except Exception as err:  # the summary files are written; a tracker must not lose them
             print(f"summary: verdicts not sent to logger {key} ({type(err).__name__}: {err})", file=sys.stderr,
                   flush=True)

@@ -101,11 +101,13 @@ def test_mlflow_store_holds_one_run_per_job_with_params_metrics_and_the_verdict(
     client = MlflowClient(STORE.replace("sqlite:///", f"sqlite:///{root}/"))
     experiment = client.get_experiment_by_name("multirun/tracked")  # the sweep's folder names its experiment
     assert experiment is not None, [e.name for e in client.search_experiments()]
-    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    runs = {Path(r.data.tags["attnres_run_dir"]).name: r for r in client.search_runs([experiment.experiment_id])}
     jobs = sorted(p.name for p in (root / "multirun/tracked").iterdir() if (p / "metrics.json").is_file())
     assert sorted(runs) == jobs and len(jobs) == 2
     for name, run in runs.items():
         assert run.info.status == "FINISHED"
+        # named after its folder while it runs, then after the summary's short label (what differs)
+        assert run.info.run_name == ("residual=block" if "residual=block" in name else "residual=standard")
         params = run.data.params
         block = "residual=block" in name
         assert params["residual"] == ("block" if block else "standard")
@@ -121,7 +123,8 @@ def test_mlflow_store_holds_one_run_per_job_with_params_metrics_and_the_verdict(
     assert verdicts and verdicts[0].startswith("block vs standard")
     tags = client.get_experiment(experiment.experiment_id).tags
     assert tags["attnres_verdict_0"] == verdicts[0]
-    assert verdicts[0] in tags["mlflow.note.content"] and "## Jobs" in tags["mlflow.note.content"]  # summary.md
+    note = tags["mlflow.note.content"]  # the experiment's description: the verdicts first, then summary.md
+    assert note.startswith(f"verdict: {verdicts[0]}") and "## Jobs" in note
 
 
 @pytest.mark.slow
