@@ -17,10 +17,19 @@ repeated steps after warm-up, CUDA events on GPU; the strategies are timed in in
 rounds (standard, block, full, standard, ...) so that a busy machine slows all of them alike.
 Prints a table of ratios to standard and, with --json PATH, writes every figure.
 
+With --op-shapes it measures only the op, at two fixed shapes that guard its implementations
+against regressions (issue 29: the torch path's forward went from 7.8 to 32.5 ms at the first,
+its extra peak memory from 521 MB to 1,000 MB at the second, when it began stacking its
+sources): 9 sources x 4,096 tokens x D 256, forward and forward + backward time; and 9 sources
+x 16,384 tokens x D 768, the extra peak memory of a forward + backward (on CPU, the profiler's
+running total of tensor allocations; `op_peak_bytes`). Every implementation, as ratios to the
+naive reference measured in the same run.
+
     python experiments/bench_residuals.py                  # GPU, GPT-small, eager + compiled
     python experiments/bench_residuals.py --quick          # CPU-sized (T 128, batch 2), eager, 1 thread
     python experiments/bench_residuals.py --quick --kernel naive   # the reference path ("before")
     python experiments/bench_residuals.py --tiny --compile # the runner's default model, eager + compiled
+    python experiments/bench_residuals.py --op-shapes      # the op's regression shapes (CPU: 1 thread)
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +60,9 @@ QUICK = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 128, "batch": 2,
 # --tiny is the runner's default run (conf/model/tiny.yaml, conf/data/stdlib.yaml): 8 layers, D 96,
 # 4 heads, T 128, batch 16, bytes; there the cost is the number of small ops, not their arithmetic
 TINY = {"n_layer": 8, "n_embd": 96, "n_head": 4, "seq_len": 128, "batch": 16, "vocab": 256}
+# --op-shapes: (sources, tokens, D) of the op's timing and of its memory measurement
+OP_TIME_SHAPE = (9, 4096, 256)
+OP_MEMORY_SHAPE = (9, 16384, 768)
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth", type=float, default=None,
                    help=f"bytes/s of the op's floor (default: H200 {H200_BANDWIDTH:.1e} on CUDA, a copy on CPU)")
     p.add_argument("--op-only", action="store_true", help="only the op-vs-floor measurement")
+    p.add_argument("--op-shapes", action="store_true",
+                   help="only the op at its two regression shapes, every implementation, as ratios to naive: "
+                        f"(sources, tokens, D) {OP_TIME_SHAPE} forward and forward+backward time, "
+                        f"{OP_MEMORY_SHAPE} extra peak memory of forward+backward (CPU: 1 thread unless --threads)")
     p.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
                    help="leave the C library's allocator as it starts (the runner's keep_freed_memory=false); "
                         "by default the process keeps freed memory, as the runner does (attnres/training/devices.py)")
@@ -101,12 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shape = shape
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")]
-    args.steps = args.steps or (8 if args.quick else 20 if args.tiny else 10)
+    args.steps = args.steps or (8 if args.quick else 20 if args.tiny or args.op_shapes else 10)
     args.warmup = args.warmup or (2 if args.quick else 3)
     args.modes = [m.strip() for m in (args.modes or ("eager" if small else "eager,compiled")).split(",")]
     if not set(args.modes) <= {"eager", "compiled"}:
         p.error(f"--modes takes eager and/or compiled, got {args.modes}")
-    if args.threads is None and small and args.device.type == "cpu":
+    if args.threads is None and (small or args.op_shapes) and args.device.type == "cpu":
         args.threads = 1
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     return args
@@ -304,27 +321,37 @@ def cold_stream_bandwidth(args: argparse.Namespace) -> float | None:
     return (n_src + 1) * out.numel() * out.element_size() / best
 
 
+def op_inputs(n_src: int, lead: tuple[int, ...], d: int, args: argparse.Namespace, seed: int = 0):
+    """`n_src` leaf sources (*lead, D) in the benchmark's dtype and device, a query with O(1)
+    logits and a unit key-norm gain (float32 leaves)."""
+    gen = torch.Generator().manual_seed(seed)
+    sources = [torch.randn(*lead, d, generator=gen).to(args.device, args.dtype).requires_grad_() for _ in range(n_src)]
+    query = (torch.randn(d, generator=gen) / d**0.5).to(args.device).requires_grad_()
+    gain = torch.ones(d, device=args.device, requires_grad=True)
+    return sources, query, gain
+
+
+def op_kernels(like: torch.Tensor) -> list[str]:
+    """The implementations that serve sources like `like`: the reference and the torch path
+    always, Triton on CUDA where it is installed, the C++ kernel where `kernel="auto"` takes it."""
+    kernels = ["naive", "torch"] + (["triton"] if like.is_cuda and triton_available() else [])
+    return kernels + (["cpu"] if resolve_kernel("auto", like) == "cpu" else [])
+
+
 def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
     """Depth attention over N + 1 sources of (B, T, D), forward and forward + backward, per
     implementation, against the floor: forward reads N + 1 sources and writes h; backward
     reads dh and the sources and writes their gradients (3 (N + 1) + 2 tensor passes in all)."""
     s, dev, dtype = args.shape, args.device, args.dtype
     n_src = args.num_blocks + 1
-    gen = torch.Generator().manual_seed(0)
-    sources = [
-        torch.randn(s["batch"], s["seq_len"], s["n_embd"], generator=gen).to(dev, dtype).requires_grad_()
-        for _ in range(n_src)
-    ]
-    query = (torch.randn(s["n_embd"], generator=gen) / s["n_embd"] ** 0.5).to(dev).requires_grad_()
-    gain = torch.ones(s["n_embd"], device=dev, requires_grad=True)
+    sources, query, gain = op_inputs(n_src, (s["batch"], s["seq_len"]), s["n_embd"], args)
     dh = torch.randn_like(sources[0])
     tensor_bytes = sources[0].numel() * sources[0].element_size()
     floors = {
         "forward": (n_src + 1) * tensor_bytes / bandwidth,
         "forward_backward": (3 * n_src + 2) * tensor_bytes / bandwidth,
     }
-    kernels = ["naive", "torch"] + (["triton"] if dev.type == "cuda" and triton_available() else [])
-    kernels += ["cpu"] if resolve_kernel("auto", sources[0]) == "cpu" else []
+    kernels = op_kernels(sources[0])
     timer = Timer(dev)
     out = {"sources": n_src, "tokens": s["batch"] * s["seq_len"], "D": s["n_embd"], "dtype": str(dtype),
            "bandwidth_bytes_per_s": bandwidth, "floor_s": floors, "kernels": {}}
@@ -345,6 +372,107 @@ def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
         for x in (*sources, query, gain):
             x.grad = None
     return out
+
+
+def op_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """The most memory `fn()` holds at once beyond what was allocated when it started (its
+    results included, e.g. the gradients a backward leaves in .grad). CUDA: the rise of
+    max_memory_allocated. CPU, which keeps no allocator statistics: torch.profiler with
+    profile_memory=True, whose "[memory]" events (one per tensor allocation and free, in order)
+    carry the allocator's running total ("Total Allocated"); the peak of that total less its
+    value before the first event. It counts tensor storage only (not the Python heap, nor pages
+    the C library keeps), which is what an implementation changes."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    memory = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+                    key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    if not memory:
+        return 0
+    base = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in memory) - base
+
+
+def bench_op_shapes(args: argparse.Namespace, time_shape: tuple[int, int, int] = OP_TIME_SHAPE,
+                    memory_shape: tuple[int, int, int] = OP_MEMORY_SHAPE) -> dict:
+    """The op at its regression shapes (`--op-shapes`), (sources, tokens, D) each, every
+    implementation: forward (no grad) and forward + backward times at `time_shape`, timed in
+    interleaved rounds; the extra peak memory of one forward + backward at `memory_shape`
+    (`op_peak_bytes`). Each figure also as a ratio to naive's: of medians for the memory, and
+    for the times the median over rounds of the ratio within a round (`paired_ratio`)."""
+    dev, timer = args.device, Timer(args.device)
+    n_src, tokens, d = time_shape
+    sources, query, gain = op_inputs(n_src, (1, tokens), d, args)
+    dh = torch.randn_like(sources[0])
+    kernels = op_kernels(sources[0])
+
+    def forward(kernel: str) -> None:
+        with torch.no_grad():
+            depth_attention(sources, query, gain, kernel=kernel)
+
+    def forward_backward(kernel: str, srcs: list, q: torch.Tensor, g: torch.Tensor, cot: torch.Tensor) -> None:
+        h, _ = depth_attention(srcs, q, g, kernel=kernel)
+        h.backward(cot)
+
+    def fresh(kernel: str) -> None:  # gradients assigned, not added to last round's
+        for x in (*sources, query, gain):
+            x.grad = None
+        forward_backward(kernel, sources, query, gain, dh)
+
+    fns = {}
+    for kernel in kernels:
+        fns[f"{kernel} forward"] = functools.partial(forward, kernel)
+        fns[f"{kernel} forward_backward"] = functools.partial(fresh, kernel)
+    timed = interleaved(fns, args.steps, args.warmup, timer)
+    out = {"time": {"sources": n_src, "tokens": tokens, "D": d, "kernels": {}},
+           "memory": {"sources": memory_shape[0], "tokens": memory_shape[1], "D": memory_shape[2], "kernels": {}}}
+    for kernel in kernels:
+        row = out["time"]["kernels"][kernel] = {}
+        for mode in ("forward", "forward_backward"):
+            samples, base = timed[f"{kernel} {mode}"]["samples_s"], timed[f"naive {mode}"]["samples_s"]
+            row[f"{mode}_s"] = statistics.median(samples)
+            row[f"{mode}_vs_naive"] = paired_ratio(samples, base)[1]
+    del sources, query, gain, dh, fns
+    n_src, tokens, d = memory_shape
+    sources, query, gain = op_inputs(n_src, (1, tokens), d, args, seed=1)
+    dh = torch.randn_like(sources[0])
+    out["memory"]["inputs_bytes"] = n_src * sources[0].numel() * sources[0].element_size()
+    for kernel in kernels:
+        for x in (*sources, query, gain):  # freed before the measurement starts
+            x.grad = None
+        peak = op_peak_bytes(functools.partial(forward_backward, kernel, sources, query, gain, dh), dev)
+        out["memory"]["kernels"][kernel] = {"peak_extra_bytes": peak}
+    naive = out["memory"]["kernels"]["naive"]["peak_extra_bytes"]
+    for row in out["memory"]["kernels"].values():
+        row["vs_naive"] = row["peak_extra_bytes"] / naive if naive else None
+    return out
+
+
+def report_op_shapes(results: dict) -> None:
+    shapes = results["op_shapes"]
+    t, m = shapes["time"], shapes["memory"]
+    print(f"\nop at its regression shapes, ratios to naive in the same run (times: median over rounds)\n"
+          f"  time, {t['sources']} sources x {t['tokens']} tokens x D {t['D']}:")
+    for kernel, r in t["kernels"].items():
+        print(f"    {kernel:<7} forward {r['forward_s'] * 1e3:8.2f} ms ({r['forward_vs_naive']:.3f}x)   "
+              f"forward+backward {r['forward_backward_s'] * 1e3:8.2f} ms ({r['forward_backward_vs_naive']:.3f}x)")
+    print(f"  extra peak memory of forward+backward, {m['sources']} sources x {m['tokens']} tokens x D {m['D']} "
+          f"(the sources: {m['inputs_bytes'] / 1e6:.0f} MB):")
+    for kernel, r in m["kernels"].items():
+        ratio = "n/a" if r["vs_naive"] is None else f"{r['vs_naive']:.3f}x"
+        print(f"    {kernel:<7} {r['peak_extra_bytes'] / 1e6:8.0f} MB ({ratio})")
 
 
 def call_traffic(calls: list[tuple[list[int], int, int, int, int]]) -> int:
@@ -457,6 +585,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.json:
             write_json(args.json, results)  # atomically: a run killed while writing keeps the last figures
 
+    if args.op_shapes:
+        results["op_shapes"] = bench_op_shapes(args)
+        report_op_shapes(results)
+        save()
+        if args.json:
+            print(f"wrote {args.json}")
+        return results
     bandwidth = args.bandwidth or (H200_BANDWIDTH if dev.type == "cuda" else copy_bandwidth(dev))
     results["op"] = bench_op(args, bandwidth)
     save()
