@@ -6,7 +6,9 @@ module, the residual strategy, the optimiser and the schedule) built once.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -107,11 +109,62 @@ def check_job(cfg: DictConfig, multirun: bool, check_folder: bool = True) -> Pat
     """All checks of one composed job config (with its `hydra` node), before it runs; the run folder."""
     validate_config(cfg)
     run_dir = output_folder(cfg, multirun, check_parent=check_folder)
+    check_added_keys(cfg)
     with hydra_config(cfg, run_dir):
         resolve_job(cfg)
         check_parts(cfg)
         check_continued_computation(cfg, run_dir)
     return run_dir
+
+
+#: sections a `+key=value` may add to whatever their keys are: Hydra's own, and the lists of parts
+OPEN_SECTIONS = ("hydra", "callbacks", "logger")
+
+
+def check_added_keys(cfg: DictConfig) -> None:
+    """A key added with `+key=value` must be read by something: a part built from a `_target_`
+    (which gets it as an argument), an open section, or a `${...}` of another value. Anything
+    else (`+foo=bar`, `+sample.tempreature=0`) would be carried along and silently ignored."""
+    choices = value_at(cfg, "hydra.runtime.choices")
+    texts = None
+    for override in value_at(cfg, "hydra.overrides.task") or []:
+        text = str(override)
+        if not text.startswith("+") or text.startswith("++"):
+            continue
+        key = text[1:].split("=", 1)[0]
+        parts = key.split(".")
+        if "@" in key or parts[0] in OPEN_SECTIONS or (isinstance(choices, DictConfig) and key in choices):
+            continue  # a config group, or a section whose entries are read whole
+        if any(isinstance(value_at(cfg, ".".join(parts[:i] + ["_target_"])), str) for i in range(1, len(parts))):
+            continue  # an argument of something instantiated: a wrong one fails there, by name
+        if texts is None:
+            texts = [v for v in _strings(OmegaConf.to_container(cfg, resolve=False)) if "${" in v]
+        if any(re.search(r"\$\{[^}]*\b" + re.escape(parts[0]) + r"\b", v) for v in texts):
+            continue  # read by an interpolation (e.g. +ablation={...} with residual.query=${ablation.query})
+        known = [k for k in _keys(OmegaConf.to_container(cfg, resolve=False), "") if k != key]
+        hint = difflib.get_close_matches(key, known, n=1)
+        meant = f" (did you mean {hint[0]}?)" if hint else " (a typo?)"
+        raise ConfigError(f"{text}: nothing reads {key}{meant}; drop it, or set a key that exists "
+                          "(attnres-run --cfg job lists them)")
+
+
+def _keys(node: Any, prefix: str) -> Iterator[str]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k != "hydra":
+                yield f"{prefix}{k}"
+                yield from _keys(v, f"{prefix}{k}.")
+
+
+def _strings(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings(value)
+    elif isinstance(node, str):
+        yield node
 
 
 def check_continued_computation(cfg: DictConfig, run_dir: Path) -> None:

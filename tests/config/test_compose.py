@@ -100,6 +100,10 @@ def test_top_level_num_blocks_feeds_block_strategy(composed):
 COMPOSED_MISTAKES = [
     ("hydra-key", ["hydra.nope=1"], "unknown key hydra.nope"),
     ("add-existing", ["+seed=3"], "drop the + to change it"),
+    ("add-unread", ["+foo=bar"], "+foo=bar: nothing reads foo"),
+    ("add-unread-typo", ["+sample.tempreature=0"],
+     "nothing reads sample.tempreature (did you mean sample.temperature?)"),
+    ("add-unread-in-sweep", ["-m", "seed=0,1", "+nonfinite.polcy=skip"], "nothing reads nonfinite.polcy"),
     ("delete-missing", ["~nope"], "~nope deletes a key that does not exist"),
     ("launcher", ["hydra/launcher=nope"], "unknown hydra/launcher 'nope'"),
     ("leaf-elsewhere", ["batch_size=4"], "did you mean data.batch_size?"),
@@ -144,3 +148,13 @@ def test_suggest():
     assert suggest("block_size", keys) == ["model.block_size", "data.block_size"]
     assert suggest("trainer.max_stepz", keys) == ["trainer.max_steps"]
     assert suggest("completely_else", keys) == []
+
+
+@pytest.mark.parametrize("added", [["+optim.optimizer.momentum=0.9", "optim.optimizer._target_=torch.optim.SGD",
+                                    "~optim.optimizer.betas", "~optim.optimizer.eps"],
+                                   ["+callbacks.extra._target_=pytorch_lightning.callbacks.Timer"],
+                                   ["residual=block", "num_blocks=2", "+ablation={kernel:naive}",
+                                    "++residual.kernel=${oc.select:ablation.kernel,auto}"]],
+                         ids=["argument-of-a-target", "open-section", "read-by-interpolation"])
+def test_added_keys_that_something_reads_pass(in_tmp, added):
+    check_command_line([*TINY, *added], CONF)
