@@ -23,6 +23,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     `lr`, `betas`, `eps` and `weight_decay` are AdamW's; `muon` holds Muon's keyword arguments
     (`lr`, `momentum`, `nesterov`, `weight_decay`, `ns_steps`, `adjust_lr_fn`). A group's own
     keys win over both, as in any torch optimiser (the no-decay groups set `weight_decay: 0`).
+    Given plain parameters instead of groups, every 2-D one goes to Muon (torch's own example;
+    for a language model that includes the embedding, which the runner's groups keep on AdamW).
 
     `param_groups` lists Muon's groups, then AdamW's: the same dicts the two optimisers step with,
     so a learning-rate scheduler (and `lr_scale` in `LitLanguageModel`) moves both. `state_dict()`
@@ -35,8 +37,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.1, muon: Mapping[str, Any] | None = None) -> None:
-        groups = [dict(g) if isinstance(g, Mapping) else {"params": [g]} for g in params]
         key, value = MUON_GROUP
+        params = list(params)
+        if params and not any(isinstance(g, Mapping) for g in params):  # plain tensors: torch's own example split
+            params = [{"params": [p for p in params if p.ndim == 2], key: value},
+                      {"params": [p for p in params if p.ndim != 2]}]
+        groups = [dict(g) for g in params if g["params"]]
         matrices = [g for g in groups if g.get(key) == value]
         others = [g for g in groups if g.get(key) != value]
         if not matrices:

@@ -150,17 +150,27 @@ def _store_lock(tracking_uri: str) -> Iterator[None]:
 class MLflowLogger(Tracker, LightningMLFlowLogger):
     """Lightning's MLFlowLogger, one MLflow run per run folder: the experiment is `experiment_name`,
     else the sweep's folder for a sweep job and the config's `name` for a single run; the run is
-    named after its folder and tagged with it (`attnres_run_dir`, and `attnres_sweep`)."""
+    named after its folder and tagged with it (`attnres_run_dir`, and `attnres_sweep`).
+
+    The store is opened when the run starts logging, not when the logger is built (Lightning's
+    builds an MlflowClient at once, and for SQLite that creates the file): a run refused before
+    it starts, or a rank other than 0, leaves no store behind."""
+
+    #: what Lightning's constructor gets instead of the store: an MlflowClient for it opens nothing
+    _UNOPENED = "http://127.0.0.1:1"
 
     def __init__(self, tracking_uri: str, experiment_name: str | None = None, run_name: str | None = None,
-                 tags: Mapping[str, Any] | None = None, *, run_dir: str, sweep: str | None = None,
+                 tags: Mapping[str, Any] | None = None, *, run_dir: str | None = None, sweep: str | None = None,
                  name: str = "default", hparams: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        run_tags = {**dict(tags or {}), "attnres_run_dir": str(Path(run_dir).absolute())}
+        run_tags = dict(tags or {})
+        if run_dir:
+            run_tags["attnres_run_dir"] = str(Path(run_dir).absolute())
         if sweep:
             run_tags["attnres_sweep"] = sweep
-        with _store_lock(tracking_uri):  # MlflowClient opens (and on first use creates) the store
-            super().__init__(experiment_name=experiment_name or sweep or name, run_name=run_name or Path(run_dir).name,
-                             tracking_uri=tracking_uri, tags=run_tags, **kwargs)
+        super().__init__(experiment_name=experiment_name or sweep or name,
+                         run_name=run_name or (Path(run_dir).name if run_dir else None),
+                         tracking_uri=self._UNOPENED, tags=run_tags, **kwargs)
+        self._tracking_uri, self._mlflow_client = tracking_uri, None
         self.tracked = dict(hparams or {})
 
     @property
@@ -168,7 +178,11 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
     def experiment(self) -> Any:
         if self._initialized:
             return self._mlflow_client
-        with _store_lock(self._tracking_uri):
+        from mlflow.tracking import MlflowClient
+
+        with _store_lock(self._tracking_uri):  # the store made, the experiment found or made, once
+            if self._mlflow_client is None:
+                self._mlflow_client = MlflowClient(self._tracking_uri)
             if self._experiment_id is None:  # another job may have just made it: look again under the lock
                 found = self._mlflow_client.get_experiment_by_name(self._experiment_name)
                 if found is not None and found.lifecycle_stage != "deleted":
@@ -236,10 +250,10 @@ class WandbLogger(Tracker, LightningWandbLogger):
     `wandb sync` to upload later; online uploads as it goes."""
 
     def __init__(self, project: str = "attnres", mode: str = "offline", name: str | None = None,
-                 group: str | None = None, *, run_dir: str, sweep: str | None = None,
+                 group: str | None = None, *, run_dir: str | None = None, sweep: str | None = None,
                  hparams: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(project=project, mode=mode, name=name or Path(run_dir).name, group=group or sweep,
-                         job_type="train", **kwargs)
+        super().__init__(project=project, mode=mode, name=name or (Path(run_dir).name if run_dir else None),
+                         group=group or sweep, job_type="train", **kwargs)
         self._wandb_init.pop("anonymous", None)  # Lightning passes it; wandb warns that it does nothing
         self.tracked = dict(hparams or {})
 

@@ -183,7 +183,7 @@ def test_muon_resume_equals_uninterrupted(tmp_path):
               "optim.total_steps=8", "optim.schedule.warmup_steps=2"]
     whole = run_cli(*common, "trainer.max_steps=8", "hydra.run.dir=whole", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "Muon lr 0.003 on hidden matrices, AdamW lr 0.003" in whole.stdout + whole.stderr  # the start line
+    assert "Muon lr 0.03 on hidden matrices, AdamW lr 0.003" in whole.stdout + whole.stderr  # the start line
     first = run_cli(*common, "trainer.max_steps=3", "hydra.run.dir=split", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     halfway = weights(tmp_path / "split/checkpoints/last.ckpt")
@@ -205,3 +205,10 @@ def test_an_adamw_checkpoint_does_not_continue_under_muon(tmp_path):
     line = one_line_error(run_cli(*TINY, "optim=muon", "trainer.max_steps=4", "hydra.run.dir=R", "resume=true",
                                   cwd=tmp_path))
     assert "optim.optimizer" in line
+
+
+def test_plain_parameters_split_by_shape_as_torch_s_own_example():
+    m = model()
+    optimizer = MuonWithAdamW(m.parameters(), **ADAMW, muon=MUON)
+    assert all(p.ndim == 2 for g in optimizer.muon.param_groups for p in g["params"])
+    assert all(p.ndim != 2 for g in optimizer.adamw.param_groups for p in g["params"])
