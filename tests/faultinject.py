@@ -21,7 +21,7 @@ def _signal(name: str) -> signal.Signals:
 
 
 class KillAt(pl.Callback):
-    """Send `sig` to this process at optimiser step `step`, at `moment`:
+    """Send `sig` to this process (`times` times in a row) at optimiser step `step`, at `moment`:
 
     - "step": right after the step's optimiser update (on_train_batch_end);
     - "validation": in the middle of the validation that follows the step;
@@ -29,8 +29,8 @@ class KillAt(pl.Callback):
       is complete and before it is renamed over last.ckpt / best.ckpt.
     """
 
-    def __init__(self, step: int, moment: str = "step", sig: str = "KILL") -> None:
-        self.step, self.moment, self.sig = step, moment, _signal(sig)
+    def __init__(self, step: int, moment: str = "step", sig: str = "KILL", times: int = 1) -> None:
+        self.step, self.moment, self.sig, self.times = step, moment, _signal(sig), times
         self.sent = False
         if moment == "checkpoint":
             real_fsync = attnres_io.os.fsync
@@ -48,7 +48,8 @@ class KillAt(pl.Callback):
     def _send(self) -> None:
         if not self.sent:
             self.sent = True
-            os.kill(os.getpid(), self.sig)
+            for _ in range(self.times):  # `times=2`: a second Ctrl-C before the first one's stop is done
+                os.kill(os.getpid(), self.sig)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.step and self.moment == "step":

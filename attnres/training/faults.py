@@ -157,8 +157,8 @@ class GracefulStop(pl.Callback):
     """SIGTERM and SIGINT stop training at the end of the current step: `last.ckpt` of that step
     is written there and then, and `Interrupted` leaves `fit` (no validation first: a scheduler's
     grace period is short). A signal during a validation stops at the end of the next step.
-    A second signal ends the process at once (the last checkpoint on disk stays whole: writes
-    are atomic). Lightning installs its own SIGTERM handler when fit starts (its loops would
+    A second signal ends the process at once, with its closing line and metrics.json (the last
+    checkpoint on disk stays whole: writes are atomic). Lightning installs its own SIGTERM handler when fit starts (its loops would
     then exit with status 0): this one is installed again at `on_train_start`, after
     Lightning's, and replaces it.
     """
@@ -168,16 +168,35 @@ class GracefulStop(pl.Callback):
     def __init__(self, checkpoint: str | Path | None = None) -> None:
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.received: signal.Signals | None = None
+        self.trainer: pl.Trainer | None = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # the second one: stop now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            self._stop_now(signal.Signals(signum))
             return
         self.received = signal.Signals(signum)
         log.warning(f"received {self.received.name}: stopping after this step and saving a checkpoint "
                     f"(send it again to stop at once)")
+
+    def _stop_now(self, sig: signal.Signals) -> None:
+        """The second signal: no step finishes, but the run still says how it ended (metrics.json
+        and one line), naming the last checkpoint on disk (whole: writes are atomic)."""
+        import sys
+
+        from attnres.atomic import read_json, write_json
+        from attnres.training.checkpoints import describe_checkpoint
+
+        step = self.trainer.global_step if self.trainer is not None else None
+        kept = describe_checkpoint(self.checkpoint) if self.checkpoint is not None else "no checkpoint"
+        text = (f"stopped at once by a second {sig.name}" + (f" at step {step}" if step is not None else "") +
+                f"; kept: {kept}; continue with the same command and resume=true")
+        with contextlib.suppress(Exception):
+            if self.checkpoint is not None and not secondary_rank():
+                metrics = self.checkpoint.parent.parent / "metrics.json"
+                write_json(metrics, {**read_json(metrics), "status": "interrupted", "error": text, "step": step})
+            print(f"attnres-run: {text}", file=sys.stderr, flush=True)
+        os._exit(SIGNAL_EXIT.get(sig, 128 + int(sig)))
 
     def install(self) -> None:
         for sig in self.signals:
@@ -190,6 +209,7 @@ class GracefulStop(pl.Callback):
         self._previous.clear()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer = trainer
         for sig in self.signals:
             signal.signal(sig, self._handle)
 

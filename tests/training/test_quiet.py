@@ -40,3 +40,23 @@ def test_how_a_run_ended_is_said_once(tmp_path):
     said = (result.stdout + result.stderr).count("non-finite loss at step 2;")
     assert said == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "non-finite loss at step 2" in (tmp_path / "run/attnres.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_still_says_how_the_run_ended(tmp_path):
+    """The second signal stops at once, yet the run leaves its closing line and metrics.json, naming
+    the last checkpoint (it used to die of the signal with neither)."""
+    import json
+
+    from tests.helpers import faultinject_env
+
+    fault = ["+callbacks.fault._target_=faultinject.KillAt", "+callbacks.fault.step=5", "+callbacks.fault.sig=INT",
+             "+callbacks.fault.times=2"]
+    result = run_cli(*TINY, "trainer.max_steps=50", "trainer.val_check_interval=2", "hydra.run.dir=run", *fault,
+                     cwd=tmp_path, env=faultinject_env())
+    assert result.returncode == 130, (result.returncode, result.stderr[-3000:])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("attnres-run:")]
+    assert len(lines) == 1 and "stopped at once by a second SIGINT at step 5" in lines[0], result.stderr[-3000:]
+    assert "kept: " in lines[0] and "(step 4)" in lines[0], lines[0]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["step"] == 5, metrics
