@@ -151,6 +151,31 @@ def test_wandb_offline_runs_one_per_job_grouped_by_the_sweep_and_finished(tracke
     assert "wandb sync" in (jobs[0] / "train.log").read_text()  # the job's end block says how to upload
 
 
+@pytest.mark.slow
+def test_two_runs_in_one_process_are_two_wandb_runs(tmp_path, monkeypatch):
+    """Each run finishes its own W&B run, so a second run in the same process (the basic launcher's
+    way, or a notebook's) starts a new one instead of logging into the first."""
+    wandb = pytest.importorskip("wandb")
+    from attnres.training.trackers import WandbLogger, finish_trackers
+
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    for name in ("a", "b"):
+        logger = WandbLogger(save_dir=str(tmp_path / name), run_dir=str(tmp_path / name), sweep="multirun/x",
+                             hparams={"residual": name, "seed": 0})
+        (tmp_path / name).mkdir()
+        logger.log_hyperparams({})
+        logger.log_metrics({"train/loss": 1.0}, step=1)
+        logger.finalize("success")  # Lightning's call at the end of fit: the run waits for its final numbers
+        assert wandb.run is not None
+        finish_trackers([logger], {"status": "finished", "steps": 1, "metrics": {"val/loss": 0.5}})
+        assert wandb.run is None, "the run was not finished"
+    wandb.teardown()  # the service writes the run files out
+    runs = [wandb_run(tmp_path / name) for name in ("a", "b")]
+    assert runs[0]["run"].run_id != runs[1]["run"].run_id and [r["exit_code"] for r in runs] == [0, 0]
+    assert [r["config"]["residual"] for r in runs] == ["a", "b"] and runs[1]["summary"]["val/loss"] == 0.5
+
+
 # -- CSV -------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_csv_run_writes_metrics_and_hparams_and_a_resume_appends(tmp_path):
