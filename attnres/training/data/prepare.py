@@ -29,6 +29,8 @@ The source's files, their tasks and documents are listed and read in `sources.py
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -77,7 +79,12 @@ def _init_worker(tokenizer_json: str, eot_id: int | None, text_field: str, val_f
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
     if multiprocessing.parent_process() is not None:  # a worker process: end with the parent, even a killed one
-        threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+        parent = multiprocessing.parent_process().pid  # not getppid(): the parent may be dead already (pid 1 then)
+        with contextlib.suppress(Exception):  # Linux: the kernel kills it the moment the parent dies
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before that
+            os._exit(1)
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()  # elsewhere: within 0.5 s
     from tokenizers import Tokenizer
 
     _VAL_FRACTION = val_fraction
@@ -164,13 +171,30 @@ def load_tokenizer(path: str):
 
 
 # -- writing ------------------------------------------------------------------------------------
+def _process_start(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _mark_owner(tmp: Path) -> None:
+    """The temporary folder names the process writing it, so that the next run can tell a killed
+    writer's folder (removed at once) from a live one's (left alone)."""
+    (tmp / "owner.json").write_text(json.dumps({"pid": os.getpid(), "start": _process_start(os.getpid())}))
+
+
 def remove_stale(out_dir: Path) -> None:
+    """Remove the temporary folders of earlier runs into `out_dir` whose writer has ended (killed):
+    at once when the folder names its writer, else after STALE_TEMP_S."""
     cutoff = time.time() - STALE_TEMP_S
     for tmp in out_dir.glob(".prepare-*.tmp"):
         try:
-            if tmp.stat().st_mtime < cutoff:
+            owner = json.loads((tmp / "owner.json").read_text()) if (tmp / "owner.json").is_file() else None
+            ended = owner is not None and _process_start(int(owner["pid"])) != owner.get("start")
+            if ended or tmp.stat().st_mtime < cutoff:
                 shutil.rmtree(tmp)
-        except OSError:
+        except (OSError, ValueError, KeyError, TypeError):
             pass
 
 
@@ -216,6 +240,7 @@ def prepare(src: str, out_dir: str, vocab_size: int | None = None, tokenizer: st
     out.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", suffix=".tmp", dir=out))
+    _mark_owner(tmp)
     total = sum(f.size for f in files)
     old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup in `finally`, then exit 143
     try:

@@ -218,3 +218,52 @@ def test_stdlib_bpe_bits_per_byte_match_the_byte_level_run(tmp_path):
                        f"data.val_tokens={round(16 * 16 * 128 / val_bpt)}")  # the byte run's 32,768 scored bytes
     ratio = token_run["metrics"]["val/bpb"] / byte_run["metrics"]["val/bpb"]
     assert 0.6 < ratio < 1.1, (ratio, byte_run["metrics"], token_run["metrics"])
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_leaves_no_worker_and_the_next_run_no_hidden_folder(tmp_path):
+    """SIGKILL to attnres-prepare mid-encoding (issue "Trust, round two", item 11): its workers end
+    with it (they used to live on for seconds) and the next run into the folder removes the hidden
+    temporary folder at once (it used to stay for an hour)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):  # enough text that encoding outlasts the kill
+        text = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(20000))
+        (src / f"f{i}.py").write_text(text)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "attnres.training.data.prepare", str(src), str(out),
+                             "--vocab-size", "300", "--workers", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            list(out.glob(".prepare-*.tmp")) and len(_children(proc.pid)) >= 3):  # 2 workers, the resource tracker
+        time.sleep(0.1)
+    workers = _children(proc.pid)
+    assert proc.poll() is None and list(out.glob(".prepare-*.tmp")), "attnres-prepare ended before the kill"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(1.0)  # the resource tracker ends when its pipe closes; the workers at once (or within 0.5 s)
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive, f"workers outlived the killed attnres-prepare: {alive}"
+    from attnres.training.data.prepare import remove_stale
+
+    remove_stale(out)  # what the next run into `out` does first
+    assert not list(out.glob(".prepare-*.tmp"))
