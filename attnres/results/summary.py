@@ -259,7 +259,8 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     `more_dirs`; with `only`, of the sweep that just ran alone). Returns the rows, with their verdict columns."""
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir, *more_dirs, only=only)
-    left_out = 0 if only is None else sum(d.relative_to(sweep_dir).as_posix() not in only for d in find_job_dirs(sweep_dir))
+    names = [d.relative_to(sweep_dir).as_posix() for d in find_job_dirs(sweep_dir)]
+    left_out = 0 if only is None else sum(name not in only for name in names)
     metric = primary_metric(rows)
     found = attach_verdicts(rows, metric)
     buffer = io.StringIO()

@@ -23,7 +23,6 @@ from hydra_plugins.hydra_joblib_launcher._core import launch as joblib_launch
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
 
 from attnres.sweep.plan import AttnresLauncher, plan_jobs
-from attnres.sweep.stopping import SweepStop, ignore_signals
 from attnres.sweep.slots import (
     SLOTS_ENV,
     SWEEP_ENV,
@@ -33,6 +32,7 @@ from attnres.sweep.slots import (
     reap_stale_slots,
     visible_gpus,
 )
+from attnres.sweep.stopping import SweepStop, ignore_signals
 
 log = logging.getLogger(__name__)
 

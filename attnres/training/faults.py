@@ -20,7 +20,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,15 +158,16 @@ class GracefulStop(pl.Callback):
     is written there and then, and `Interrupted` leaves `fit` (no validation first: a scheduler's
     grace period is short). A signal during a validation stops at the end of the next step.
     A second signal ends the process at once, with its closing line and metrics.json (the last
-    checkpoint on disk stays whole: writes are atomic). Lightning installs its own SIGTERM handler when fit starts (its loops would
-    then exit with status 0): this one is installed again at `on_train_start`, after
-    Lightning's, and replaces it.
+    checkpoint on disk stays whole: writes are atomic; `describe` words it). Lightning installs its
+    own SIGTERM handler when fit starts (its loops would then exit with status 0): this one is
+    installed again at `on_train_start`, after Lightning's, and replaces it.
     """
 
     signals = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, checkpoint: str | Path | None = None) -> None:
+    def __init__(self, checkpoint: str | Path | None = None, describe: Callable[[Path], str] = str) -> None:
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+        self.describe = describe  # checkpoint -> "PATH (step N)" (checkpoints.describe_checkpoint)
         self.received: signal.Signals | None = None
         self.trainer: pl.Trainer | None = None
         self._previous: dict[int, Any] = {}
@@ -185,10 +186,9 @@ class GracefulStop(pl.Callback):
         import sys
 
         from attnres.atomic import read_json, write_json
-        from attnres.training.checkpoints import describe_checkpoint
 
         step = self.trainer.global_step if self.trainer is not None else None
-        kept = describe_checkpoint(self.checkpoint) if self.checkpoint is not None else "no checkpoint"
+        kept = self.describe(self.checkpoint) if self.checkpoint is not None else "no checkpoint"
         text = (f"stopped at once by a second {sig.name}" + (f" at step {step}" if step is not None else "") +
                 f"; kept: {kept}; continue with the same command and resume=true")
         with contextlib.suppress(Exception):

@@ -23,7 +23,13 @@ from attnres.config import naming  # noqa: F401  (registers the run-folder resol
 from attnres.config.computation import computation, recorded_computation, refuse_other_computation
 from attnres.config.moved import update_moved_targets
 from attnres.config.rules import validate_config
-from attnres.training.checkpoints import AtomicCheckpointIO, check_checkpoint, checkpoint_step, resume_checkpoint
+from attnres.training.checkpoints import (
+    AtomicCheckpointIO,
+    check_checkpoint,
+    checkpoint_step,
+    describe_checkpoint,
+    resume_checkpoint,
+)
 from attnres.training.devices import keep_freed_memory, resolve_precision
 from attnres.training.evaluate import run_mode
 from attnres.training.faults import (
@@ -87,7 +93,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         return run_mode(cfg, run_dir, info)
     share_log_file()
     last = run_dir / "checkpoints" / "last.ckpt"
-    with RunLock(run_dir), stop_signals(GracefulStop(last)) as stop:
+    with RunLock(run_dir), stop_signals(GracefulStop(last, describe_checkpoint)) as stop:
         clean_stale_tmp(run_dir)
         ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
         if ckpt and cfg.resume and not cfg.ckpt_path:
