@@ -6,6 +6,7 @@ While it is armed, the strategy's `call_sublayer` and `mix` hand over to it and 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -84,7 +85,8 @@ class Knockout:
         cols = list(range(len(sources))) if columns is None else list(columns)
         if self.collect is not None:
             self._collect(index, sources, cols)
-        present = [j for j, v in enumerate(sources) if not self.is_removed(v)]
+        present = [j for j, v in enumerate(sources) if not self.is_removed(v)]  # by identity: before any cast
+        sources = _one_dtype(sources)
         if index != self.row:
             if len(present) == len(sources):
                 return strategy.reference_mix(index, sources, columns)
@@ -117,6 +119,14 @@ class Knockout:
                 row[column][1] += v.shape[:-1].numel()
             else:
                 row[column] = [total, v.shape[:-1].numel()]
+
+
+def _one_dtype(sources: Sequence[Tensor]) -> Sequence[Tensor]:
+    """The sources in their promoted dtype, as the fast path mixes them: under autocast
+    (bf16-mixed) the embedding is float32 and the sublayer outputs bfloat16, which the depth
+    attention op refuses to mix. Unchanged (the same objects) when they share one dtype."""
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
+    return [v.to(dtype) for v in sources] if any(v.dtype != dtype for v in sources) else sources
 
 
 def single_source_message(strategy: Any, index: int, column: int) -> str:
