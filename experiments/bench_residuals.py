@@ -15,7 +15,9 @@ depth-attention calls of one train step move, as time at the measured bandwidth 
 least ratio to standard's step any implementation of them could reach. Times are medians of
 repeated steps after warm-up, CUDA events on GPU; the strategies are timed in interleaved
 rounds (standard, block, full, standard, ...) so that a busy machine slows all of them alike.
-Prints a table of ratios to standard and, with --json PATH, writes every figure.
+Prints a table of ratios to standard and, with --json PATH, writes every figure: the file is
+rewritten (atomically) as each stage, mode and strategy finishes, so a run cut by a timeout keeps
+what it measured; its "stages_done" lists the stages it holds in full.
 
 With --op-shapes it measures only the op, at two fixed shapes that guard its implementations
 against regressions (issue 29: the torch path's forward went from 7.8 to 32.5 ms at the first,
@@ -579,7 +581,9 @@ def main(argv: list[str] | None = None) -> dict:
         "keep_freed_memory": kept,
     }
     print("bench_residuals:", json.dumps(info), flush=True)
-    results: dict = {"info": info}
+    # stages_done: what the file holds in full; a run cut short (a timeout) leaves the figures of the
+    # stages before it and, of the mode it was in, those measured so far (the others None)
+    results: dict = {"info": info, "stages_done": []}
 
     def save() -> None:  # after every stage: a run cut short still leaves its figures
         if args.json:
@@ -587,6 +591,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.op_shapes:
         results["op_shapes"] = bench_op_shapes(args)
+        results["stages_done"].append("op_shapes")
         report_op_shapes(results)
         save()
         if args.json:
@@ -594,6 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
         return results
     bandwidth = args.bandwidth or (H200_BANDWIDTH if dev.type == "cuda" else copy_bandwidth(dev))
     results["op"] = bench_op(args, bandwidth)
+    results["stages_done"].append("op")
     save()
     if not args.op_only:
         timer = Timer(dev)
@@ -606,26 +612,34 @@ def main(argv: list[str] | None = None) -> dict:
             name: {**t, "floor_s": t["bytes"] / bandwidth, "cold_stream_s": None if cold is None else t["bytes"] / cold}
             for name, t in traffic.items() if t is not None
         }
+        results["stages_done"].append("saved_and_traffic")
         save()
         for tag in args.modes:
             compiled = tag == "compiled"
             if compiled:
                 for case in cases.values():
                     case.compiled = torch.compile(case.model)
+            rows = results.setdefault(tag, {})
             train = interleaved({n: functools.partial(c.train_step, compiled) for n, c in cases.items()},
                                 args.steps, args.warmup, timer)
-            prefill = interleaved({n: functools.partial(c.prefill, compiled) for n, c in cases.items()},
-                                  args.steps, args.warmup, timer)
-            for name, case in cases.items():
-                results.setdefault(tag, {})[name] = {
+            for name in cases:  # a figure not measured yet is None until its stage finishes
+                rows[name] = {
                     "train_step_s": train[name]["median_s"],
                     "train_first_call_s": train[name]["first_call_s"],
                     "train_samples_s": train[name]["samples_s"],
-                    "prefill_s": prefill[name]["median_s"],
-                    "prefill_samples_s": prefill[name]["samples_s"],
-                    "peak_train_bytes": peak_bytes(case, functools.partial(case.train_step, compiled), dev),
-                    "peak_prefill_bytes": peak_bytes(case, functools.partial(case.prefill, compiled), dev),
+                    "prefill_s": None, "prefill_samples_s": None, "peak_train_bytes": None, "peak_prefill_bytes": None,
                 }
+            save()
+            prefill = interleaved({n: functools.partial(c.prefill, compiled) for n, c in cases.items()},
+                                  args.steps, args.warmup, timer)
+            for name in cases:
+                rows[name].update(prefill_s=prefill[name]["median_s"], prefill_samples_s=prefill[name]["samples_s"])
+            save()
+            for name, case in cases.items():  # each strategy's peaks written as soon as they are measured
+                rows[name]["peak_train_bytes"] = peak_bytes(case, functools.partial(case.train_step, compiled), dev)
+                rows[name]["peak_prefill_bytes"] = peak_bytes(case, functools.partial(case.prefill, compiled), dev)
+                save()
+            results["stages_done"].append(tag)
             save()
             print(f"[{tag} done]", flush=True)
     report(results)

@@ -143,3 +143,33 @@ def test_runner_stopped_mid_run_says_so_in_one_line_and_leaves_no_run_folder(
     assert len(err) == 1 and err[0].startswith(f"bench_runner: stopped by {signame}") and str(out) in err[0]
     assert not list(tmp_path.glob("bench_runner-*"))
     assert list(json.loads(out.read_text())["runs"]) == ["standard"]
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_bench_stopped_midway_keeps_what_finished(bench, tmp_path, monkeypatch):
+    """A run cut short (gpu_check.sh runs it under `timeout`) leaves the JSON of what it measured:
+    the stages before, and in the mode it was in, the strategies already done; nothing after."""
+    out = tmp_path / "bench.json"
+    measured, calls = bench.peak_bytes, []
+
+    def stop_at_block(case, fn, device):  # two calls per strategy (train, prefill): the third is block's
+        calls.append(case)
+        if len(calls) == 3:
+            raise _Stopped
+        return measured(case, fn, device)
+
+    monkeypatch.setattr(bench, "peak_bytes", stop_at_block)
+    with pytest.raises(_Stopped):
+        bench.main([*TINY.split(), "--device", "cpu", "--no-compile", "--strategies", "standard,block,full",
+                    "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert results["stages_done"] == ["op", "saved_and_traffic"]  # eager did not finish
+    assert results["op"]["kernels"] and results["saved_for_backward_bytes"]["full"] > 0
+    rows = results["eager"]
+    assert all(rows[n]["train_step_s"] > 0 and rows[n]["prefill_s"] > 0 for n in ("standard", "block", "full"))
+    assert set(rows["standard"]) == set(rows["block"])  # every key there, the unmeasured ones None
+    assert list(tmp_path.iterdir()) == [out]  # no temporary file left beside it
