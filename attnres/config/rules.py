@@ -106,6 +106,7 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "dropout": Rule("number", 0, 1, open_high=True, example=0.0), "bias": BOOL, "tie_embeddings": BOOL,
         "mlp": Rule("choice", choices=("gelu", "swiglu")), "norm_eps": Rule("number", 0, open_low=True, example=1e-6),
         "init_std": Rule("number", 0, open_low=True, example=0.02),
+        "mlp_hidden": Rule("int", 1, nullable=True, example=256),
     },
     ("residual", ("attnres.",)): {
         "eps": Rule("number", 0, open_low=True, example=1e-6), "key_norm_gain": BOOL, "output_aggregation": BOOL,

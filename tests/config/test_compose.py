@@ -122,6 +122,8 @@ COMPOSED_MISTAKES = [
     ("missing-ckpt", ["ckpt_path=/no/such.ckpt"], "ckpt_path=/no/such.ckpt is not a file"),
     ("schedule", ["optim.schedule.warmup_steps=-1"], "optim.schedule.warmup_steps=-1"),
     ("betas", ["optim.optimizer.betas=[0.9,2]"], "two numbers in [0, 1)"),
+    ("mlp-hidden", ["model.mlp_hidden=0"], "set model.mlp_hidden to an integer >= 1 (or null)"),
+    ("mlp-hidden-type", ["model.mlp_hidden=wide"], "model.mlp_hidden=wide is not an integer"),
     ("fast-dev-run", ["debug=fast_dev_run", "trainer.fast_dev_run=maybe"], "a number of batches"),
     ("cache-dir", ["data=stdlib", "data.cache_dir=/proc/attnres-cache"], "data.cache_dir="),
     ("sweep-last-job", ["-m", "model.n_embd=32,36", "model.n_head=2,4"], "model.n_embd=36 must split into"),
