@@ -32,7 +32,7 @@ log = logging.getLogger("attnres")
 
 #: what `overwrite=true` removes from a run folder (Hydra writes `.hydra/` and the log first),
 #: besides TensorBoard's event files (`tb/` is where runs before them kept theirs)
-PREVIOUS_RUN_FILES = ("checkpoints", "tb", "metrics.json", "plots", "slot.json")
+PREVIOUS_RUN_FILES = ("checkpoints", "tb", "metrics.json", "plots", "slot.json", "metrics.csv", "hparams.yaml", "wandb")
 #: exit status of a run stopped by a signal: the shell's convention, 128 + signal number
 SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
 

@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, read_write
 from pytorch_lightning.callbacks import ProgressBar
+from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from attnres.atomic import read_json
@@ -155,7 +156,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         if not trainer.is_global_zero:
             return {}
         summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
-        events = Path(trainer.logger.log_dir) if trainer.logger is not None and trainer.logger.log_dir else None
+        tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        events = Path(tensorboard.log_dir) if tensorboard is not None and tensorboard.log_dir else None
         report(end_block(summary, run_dir, events))
         for line in finish_trackers(trainer.loggers, summary):  # their final numbers, then each run ends
             report(line)

@@ -278,7 +278,8 @@ def test_clear_previous_run_removes_every_output_of_the_old_run(tmp_path):
     from attnres.training.faults import clear_previous_run
 
     for name in ("checkpoints/last.ckpt", "checkpoints/best.ckpt", "tb/events.out.tfevents.1", "plots/heatmap.png",
-                 "events.out.tfevents.123.host.1", "metrics.json", ".hydra/config.yaml", "attnres.log"):
+                 "events.out.tfevents.123.host.1", "metrics.json", ".hydra/config.yaml", "attnres.log",
+                 "metrics.csv", "hparams.yaml", "wandb/offline-run-1/run.wandb"):  # logger=csv, wandb
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("old")
     clear_previous_run(tmp_path)
