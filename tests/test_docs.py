@@ -12,8 +12,8 @@ How each command is checked (nothing trains, nothing is installed, nothing is do
   `attnres.config.command.check_command_line(argv, conf/)`, which composes every job of the
   command with Hydra and checks its values, without running anything; a `_target_=` override
   must name an importable object. `--help` and `--hydra-help` run in a subprocess (exit 0).
-- `python experiments/X.py ...` and `attnres-prepare ...`: run with `--help` (exit 0), and every
-  `--option` the command uses must be one the help lists.
+- `python experiments/X.py ...`, `attnres-prepare ...` and `attnres-export ...`: run with `--help`
+  (exit 0), and every `--option` the command uses must be one the help lists.
 - `pip install ...`: the extras named exist in pyproject.toml, a pinned torch is the one CI
   installs and meets the project's requirement, a named package is a dependency of an extra.
 - `python -m pytest ...`: the markers named are declared, `-n` has pytest-xdist in the `test`
@@ -22,6 +22,9 @@ How each command is checked (nothing trains, nothing is installed, nothing is do
 - `lint-imports`: run (it takes a fraction of a second).
 - `experiments/slurm/cluster.sh SUB`: the script exists, is executable and knows SUB (no cluster
   is started).
+- `experiments/gpu_check.sh ...`: the script is executable, every `--option` is one its `--help`
+  lists, `--stages` names only the stages its usage line lists, and every `GPU_CHECK_*` variable
+  set before it is one the script reads (nothing is run but `--help`).
 
 Every command is checked from "the reader's folder", a temporary folder made once per module,
 because the docs' paths are the reader's: `data/mycorpus` is a real token folder written by
@@ -68,8 +71,8 @@ CI_TEST_COMMAND = "python -m pytest -n auto"
 
 SHELL_TAGS = {"bash", "sh", "shell", "console"}
 #: first words that make an untagged block a shell block, and that every command must start with
-COMMANDS = {"attnres-run", "attnres-prepare", "python", "pip", "tensorboard", "lint-imports",
-            "experiments/slurm/cluster.sh", "cd", "git"}
+COMMANDS = {"attnres-run", "attnres-prepare", "attnres-export", "python", "pip", "tensorboard", "lint-imports",
+            "experiments/slurm/cluster.sh", "experiments/gpu_check.sh", "cd", "git"}
 #: commands shown but never executed here, and why
 NOT_EXECUTED = {"cd": "changes the reader's folder", "git": "changes the checkout"}
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -335,6 +338,23 @@ def check_cluster(args: list[str]) -> None:
     assert usage and args[:1] and args[0] in usage.group(1).split("|"), f"cluster.sh has no subcommand {args[:1]}"
 
 
+def check_gpu_check(args: list[str], env: dict[str, str]) -> None:
+    script = REPO / "experiments" / "gpu_check.sh"
+    assert script.is_file() and os.access(script, os.X_OK), f"{rel(script)} is missing or not executable"
+    check_options((str(script),), args)
+    usage = re.search(r"--stages ([a-z,]+)\]", help_text(str(script)))
+    assert usage, "gpu_check.sh --help has no usage line naming its stages"
+    for i, arg in enumerate(args):
+        if arg == "--stages":
+            assert i + 1 < len(args), "gpu_check.sh --stages needs a list of stages"
+        stages = arg.partition("=")[2] if arg.startswith("--stages=") else args[i + 1] if arg == "--stages" else ""
+        unknown = set(filter(None, stages.split(","))) - set(usage.group(1).split(","))
+        assert not unknown, f"gpu_check.sh --stages {stages}: no stage {', '.join(sorted(unknown))}"
+    text = script.read_text()
+    for key in env:
+        assert re.search(rf"\${{?{key}\b", text), f"gpu_check.sh does not read {key}"
+
+
 def check(command: Command, folder: Path, monkeypatch, capsys) -> None:
     env, words = words_of(command)
     assert words, f"{command.where}: an empty command"
@@ -351,6 +371,8 @@ def check(command: Command, folder: Path, monkeypatch, capsys) -> None:
         check_options((sys.executable, str(script)), args[1:])
     elif program == "attnres-prepare":
         check_options(("attnres-prepare",), args)
+    elif program == "attnres-export":
+        check_options(("attnres-export",), args)
     elif program == "pip":
         check_pip(args)
     elif program == "tensorboard":
@@ -362,6 +384,8 @@ def check(command: Command, folder: Path, monkeypatch, capsys) -> None:
         assert result.returncode == 0, result.stdout[-3000:]
     elif program == "experiments/slurm/cluster.sh":
         check_cluster(args)
+    elif program == "experiments/gpu_check.sh":
+        check_gpu_check(args, env)
     elif program in NOT_EXECUTED:
         pass  # shown for the reader, never run here (NOT_EXECUTED says why)
     else:
