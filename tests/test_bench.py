@@ -145,8 +145,8 @@ def test_runner_stopped_mid_run_says_so_in_one_line_and_leaves_no_run_folder(
     assert list(json.loads(out.read_text())["runs"]) == ["standard"]
 
 
-class _Stopped(Exception):
-    pass
+class _Stopped(Exception):  # noqa: N818  (a stand-in for the timeout, not an error)
+    """Raised where the benchmark is cut short."""
 
 
 @pytest.mark.usefixtures("torch_single_thread")
