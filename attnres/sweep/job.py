@@ -62,7 +62,7 @@ def run_child_job(spec_path: Path) -> int:
     wrote; any failure is recorded in metrics.json (status "failed" and the error), not raised."""
     import torch  # here, as Lightning below: Hydra's workers import this module and need neither
 
-    from attnres.training.faults import RunEnded, RunRefused
+    from attnres.training.faults import RunEnded, RunRefused, secondary_rank
     from attnres.training.run import train
 
     spec = json.loads(spec_path.read_text())
@@ -83,6 +83,8 @@ def run_child_job(spec_path: Path) -> int:
         return 2
     except BaseException as err:  # a job's failure is data for the summary, not a crash of the sweep
         traceback.print_exc()
+        if secondary_rank():  # rank 0 writes the run folder; this rank's job process tells the others
+            return 1
         message = str(err).splitlines()[0] if str(err) else ""
         cause = err
         while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
@@ -130,7 +132,12 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     elif slurm_job.in_slurm_job() and slurm_job.job_threads():  # the CPUs SLURM gave the job, not the node's
         env["OMP_NUM_THREADS"] = str(slurm_job.job_threads())
         job_info.update(threads=slurm_job.job_threads(), slurm_job=slurm_job.current_job_id())
+    rank, tasks = slurm_job.ranks() if slurm_job.in_slurm_job() else (0, 1)
+    if slurm_job.in_slurm_job():  # one DDP rank per SLURM task
+        env.update(slurm_job.shape_trainer(cfg))
     spec_path = run_dir / ".hydra" / "job.json"
+    if rank > 0:  # rank 0 alone writes the run folder
+        spec_path = slurm_job.notes_dir() / f"{slurm_job.current_job_id()}_rank{rank}_job.json"
     write_json(spec_path, {"config": OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir),
                            "info": job_info})
     name = f"job {HydraConfig.get().job.num}"
@@ -142,7 +149,8 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     # handlers (slurm_job.forward_preemption): SLURM signals every process of the job
     deaf = slurm_job.deaf_to_preemption() if slurm_job.in_slurm_job() else contextlib.nullcontext()
     try:
-        with open(run_dir / "train.log", "ab") as out:
+        # rank k > 0 logs to its SLURM task's own log (submitit's folder)
+        with open(run_dir / "train.log", "ab") if rank == 0 else contextlib.nullcontext() as out:
             with deaf:
                 proc = subprocess.Popen(
                     [*JOB_PROCESS, str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
@@ -153,8 +161,15 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
             if slot is not None and slots.claimed:  # a stale-lock check can then find the job process too
                 slots.slot_info.update(child=proc.pid, child_start=process_start(proc.pid), run_dir=str(run_dir))
                 write_lock(slots.claimed[1], slots.slot_info)
-            stopping.wait_forwarding(proc, stop_file if slot is not None else None)
+            if tasks > 1:
+                death = _wait_ranks(proc, rank)
+            else:
+                stopping.wait_forwarding(proc, stop_file if slot is not None else None)
         end = time.time()
+        if tasks > 1:
+            _end_of_rank(proc, run_dir, rank, death)
+            if rank > 0:
+                return
         _record_end(proc, run_dir, job_info, end - start, stopping.requested(stop_file)[0])
         write_json(run_dir / "slot.json", {"slot": job_info["slot"], "device": job_info["device"], "pid": proc.pid,
                                            "worker_pid": os.getpid(), "start": start, "end": end})
@@ -167,6 +182,44 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
             slots.release_slot()  # per job: a worker between jobs holds no slot another sweep waits for
         slots.recorded.set()
     log.info(f"{name}: {read_status(run_dir) or 'no status'} on {where} after {end - start:.0f} s")
+
+
+def _wait_ranks(proc: subprocess.Popen, rank: int, poll_s: float = 1.0) -> dict | None:
+    """Wait for this rank's training process; when another rank of the job dies first, kill it
+    (its collectives would wait for the dead rank until their timeout) and return that rank's note."""
+    while True:
+        try:
+            proc.wait(timeout=poll_s)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        death = slurm_job.first_death(other_than=rank)
+        if death is not None:
+            proc.kill()
+            proc.wait()
+            return death
+
+
+def _end_of_rank(proc: subprocess.Popen, run_dir: Path, rank: int, death: dict | None, grace_s: float = 10) -> None:
+    """After a rank's training process of a multi-task job ended: a rank whose process died (killed,
+    or failed) says so for the others; rank 0 then records the rank that died first, in one line."""
+    code = proc.returncode
+    if death is None and (code < 0 or code == 1):
+        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else "its training failed"
+        if code == 1 and rank == 0:
+            why = str(read_json(run_dir / "metrics.json").get("error") or why)
+        slurm_job.note_death(why[:300])
+    if rank > 0 or (death is None and not (code < 0 or code == 1)):
+        return
+    deadline = time.monotonic() + grace_s  # the rank that died first may say so after this one noticed
+    while death is None and time.monotonic() < deadline:
+        death = slurm_job.first_death(other_than=0)
+        time.sleep(0.5)
+    death = slurm_job.first_death() if death is None else min(
+        [d for d in (death, slurm_job.first_death()) if d], key=lambda d: d.get("time", 0))
+    if death is not None:
+        metrics = read_json(run_dir / "metrics.json")
+        write_json(run_dir / "metrics.json", {**metrics, "status": "failed", "error": slurm_job.death_line(death)})
 
 
 def _record_end(proc: subprocess.Popen, run_dir: Path, job_info: dict[str, Any], wall_time_s: float,

@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError
+from attnres.sweep import slurm_job
 from attnres.sweep.plan import AttnresLauncher, holds_run, plan_jobs, read_status
 from attnres.sweep.slurm_job import MARKER, PREEMPT_SIGNALS
 from attnres.sweep.slurm_resources import fit_resources, read_partition, run_command
@@ -88,8 +89,10 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
         skip = {"submitit_folder", "max_num_timeout", *OWN_KEYS}
         executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()
                                       if k not in skip and not k.startswith("_")})
-        log.info(f"SLURM: {len(planned)} job(s) to partition {partition.name}, each "
-                 f"{params['cpus_per_task']} CPU(s), {params['mem_gb']} GB, {params.get('gpus_per_node') or 0} GPU(s), "
+        ranks = f"{params['nodes']} node(s) x {params['tasks_per_node']} task(s), each task "
+        log.info(f"SLURM: {len(planned)} job(s) to partition {partition.name}, each {ranks}"
+                 f"{params['cpus_per_task']} CPU(s); per node {params['mem_gb']} GB, "
+                 f"{params.get('gpus_per_node') or 0} GPU(s); "
                  f"{params['timeout_min']} min -> {sweep_dir}")
         job_params = []
         for idx, (overrides, _) in enumerate(planned):
@@ -117,6 +120,8 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
         """Runs in the SLURM job: the job (job.run_isolated, whose training process stops with a
         checkpoint on the preemption signal), then submitit's checkpoint-and-requeue if that signal
         came and the run is not finished."""
+        if slurm_job.ranks()[0] > 0:  # rank 0 alone writes the run folder (Hydra's .hydra/ too)
+            sweep_overrides = [*sweep_overrides, "hydra.output_subdir=null"]
         received: list[int] = []
         previous = {}
         for sig in PREEMPT_SIGNALS:

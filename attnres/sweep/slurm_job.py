@@ -55,6 +55,8 @@ def continue_own_run(cfg: DictConfig, run_dir: Path) -> bool:
                     "from its last checkpoint (resume=true)")
         with read_write(cfg), open_dict(cfg):
             cfg.resume, cfg.overwrite = True, False
+    if ranks()[0] > 0:
+        return True  # rank 0 records the job
     write_json(run_dir / MARKER, {"job_id": job_id, "restarts": restarts, "node": socket.gethostname(),
                                   "start": time.time()})
     return True
@@ -94,3 +96,64 @@ def forward_preemption() -> None:
     for sig in PREEMPT_SIGNALS:
         signal.signal(sig, handle)
 
+
+
+# -- a job of several tasks: one rank each (srun), rank 0 alone writes the run folder -----------------
+def ranks() -> tuple[int, int]:
+    """(this task's rank, the job's tasks) under srun; (0, 1) outside a multi-task job."""
+    rank, tasks = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURM_NTASKS", "1")
+    return (int(rank) if rank.isdigit() else 0), (int(tasks) if tasks.isdigit() else 1)
+
+
+def shape_trainer(cfg: DictConfig) -> dict[str, str]:
+    """In a SLURM job, before its run starts: the trainer runs as the job's tasks (one DDP rank per
+    task: `devices` = tasks per node, `num_nodes` = nodes, strategy ddp unless the run set one).
+    Returns the environment its training process needs: a one-task job whose run asks for several
+    devices hides SLURM from Lightning, which then starts the other processes itself."""
+    _, tasks = ranks()
+    trainer = cfg.get("trainer")
+    if trainer is None:
+        return {}
+    if tasks == 1:
+        devices = trainer.get("devices", 1)
+        return {"SLURM_JOB_NAME": "interactive"} if devices not in (1, "1") else {}
+    per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", str(tasks)).split("(")[0])
+    nodes = int(os.environ.get("SLURM_NNODES", "1"))
+    with read_write(cfg), open_dict(cfg):
+        cfg.trainer.devices, cfg.trainer.num_nodes = per_node, nodes
+        if str(trainer.get("strategy", "auto")) in ("auto", "single_device"):
+            cfg.trainer.strategy = "ddp"
+    return {}
+
+
+def notes_dir() -> Path:
+    """Where the ranks of this job say that they died: submitit's folder of the job (shared by its
+    nodes, outside the run folder)."""
+    from submitit.core.job_environment import JobEnvironment
+
+    return Path(JobEnvironment().paths.folder)
+
+
+def _note_path(rank: int) -> Path:
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    return notes_dir() / f"{current_job_id()}_rank{rank}_restart{restarts}_died.json"
+
+
+def note_death(why: str) -> None:
+    """This rank's training process died (`why`): the job's other ranks stop theirs, and rank 0 says so."""
+    rank, tasks = ranks()
+    write_json(_note_path(rank), {"rank": rank, "tasks": tasks, "node": socket.gethostname(), "why": why,
+                                  "time": time.time()})
+
+
+def first_death(other_than: int | None = None) -> dict | None:
+    """The note of the rank of this job that died first, or None (`other_than`: not this rank's)."""
+    _, tasks = ranks()
+    notes = [read_json(_note_path(rank)) for rank in range(tasks) if rank != other_than]
+    notes = [n for n in notes if n]
+    return min(notes, key=lambda n: n.get("time", 0)) if notes else None
+
+
+def death_line(note: dict) -> str:
+    return (f"rank {note['rank']} of {note['tasks']} (node {note['node']}) died: {note['why']}; the job's other "
+            "ranks were stopped; resume=true continues it from its last checkpoint")

@@ -102,7 +102,7 @@ def run_needs(config: DictConfig, partition: Partition, cpus_per_process: int, m
               ) -> dict[str, Any]:
     """Resources one job of the sweep needs, from its config: the devices its trainer uses (a GPU
     only where the trainer asks for one, or under `auto` on a partition with GPUs), a CPU per
-    process and per data-loading worker, memory per process."""
+    process and per data-loading worker, memory per process. `processes` is per node."""
     trainer, data = config.get("trainer", {}), config.get("data", {})
     accelerator = str(trainer.get("accelerator", "auto"))
     gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and partition.gpus > 0)
@@ -116,17 +116,61 @@ def run_needs(config: DictConfig, partition: Partition, cpus_per_process: int, m
     workers = int(data.get("num_workers", 0) or 0)
     return {"gpus_per_node": processes if gpu else 0,
             "cpus_per_task": max(1, processes * (cpus_per_process + workers)),
-            "mem_gb": max(1, math.ceil(processes * mem_gb_per_process))}
+            "mem_gb": max(1, math.ceil(processes * mem_gb_per_process)),
+            "processes": processes, "gpu": gpu, "per_process_cpus": cpus_per_process + workers,
+            "nodes": int(trainer.get("num_nodes", 1) or 1)}
+
+
+def job_shape(params: dict[str, Any], needs: Sequence[dict[str, Any]], configs: Sequence[DictConfig]
+              ) -> tuple[int, int]:
+    """(tasks per node, nodes) of every job: what the launcher sets, else the runs' `trainer.devices`
+    and `trainer.num_nodes` when all runs agree (one SLURM task per training process, started by
+    srun), else one task whose Lightning starts the other processes itself (one node)."""
+    shape = []
+    for key, need in (("tasks_per_node", "processes"), ("nodes", "nodes")):
+        value = params.get(key)
+        wanted = {n[need] for n in needs}
+        if value is None:
+            value = wanted.pop() if len(wanted) == 1 else 1
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"hydra.launcher.{key}={value!r} must be a whole number >= 1, or null (from the runs' "
+                              f"trainer.{'devices' if need == 'processes' else 'num_nodes'})")
+        shape.append(value)
+    tasks, nodes = shape
+    if tasks > 1 or nodes > 1:  # each rank is a SLURM task: a run must not ask for another shape
+        for config, need in zip(configs, needs, strict=True):
+            devices = config.get("trainer", {}).get("devices", 1)
+            if isinstance(devices, int) and devices > 1 and devices != tasks:
+                raise ConfigError(f"trainer.devices={devices} but hydra.launcher.tasks_per_node={tasks}: each rank "
+                                  f"is one SLURM task; pass hydra.launcher.tasks_per_node={devices} (or null), or "
+                                  f"trainer.devices={tasks}")
+            if need["nodes"] > 1 and need["nodes"] != nodes:
+                raise ConfigError(f"trainer.num_nodes={need['nodes']} but hydra.launcher.nodes={nodes}; pass "
+                                  f"hydra.launcher.nodes={need['nodes']} (or null)")
+    return tasks, nodes
 
 
 def fit_resources(params: dict[str, Any], configs: Sequence[DictConfig], partition: Partition) -> dict[str, Any]:
     """`params` with the resources left null derived from the runs (capped to a node of the
-    partition, with a warning), and those set by hand checked against it (ConfigError)."""
+    partition, with a warning), and those set by hand checked against it (ConfigError). A job of
+    several tasks (`job_shape`) asks for a CPU share per task, and memory and GPUs per node."""
     params = dict(params)
     needs = [run_needs(c, partition, int(params.get("cpus_per_process") or 1),
                        float(params.get("mem_gb_per_process") or 4)) for c in configs]
-    have = {"gpus_per_node": partition.gpus, "cpus_per_task": partition.cpus, "mem_gb": partition.mem_mb // 1024}
+    tasks, nodes = job_shape(params, needs, configs)
+    params["tasks_per_node"], params["nodes"] = tasks, nodes
+    if tasks > 1 or nodes > 1:  # one rank per task
+        mem_per_process = float(params.get("mem_gb_per_process") or 4)
+        needs = [{"gpus_per_node": tasks if n["gpu"] else 0, "cpus_per_task": max(1, n["per_process_cpus"]),
+                  "mem_gb": max(1, math.ceil(tasks * mem_per_process))} for n in needs]
+    if tasks > partition.cpus:
+        raise ConfigError(f"hydra.launcher.tasks_per_node={tasks} is more than the {partition.cpus} CPUs of a node in "
+                          f"partition {partition.name} (sinfo): each task needs one; pass fewer, or another "
+                          "hydra.launcher.partition")
+    have = {"gpus_per_node": partition.gpus, "cpus_per_task": partition.cpus // tasks,
+            "mem_gb": partition.mem_mb // 1024}
     what = {"gpus_per_node": "GPUs", "cpus_per_task": "CPUs", "mem_gb": "GB of memory"}
+    per_task = f" ({partition.cpus} CPUs shared by {tasks} tasks)" if tasks > 1 else ""
     for key in ("gpus_per_node", "cpus_per_task", "mem_gb"):
         value = params.get(key)
         if value is None:
@@ -146,8 +190,9 @@ def fit_resources(params: dict[str, Any], configs: Sequence[DictConfig], partiti
         elif value > have[key]:
             raise ConfigError(
                 f"hydra.launcher.{key}={value:g} is more than the {have[key]:g} {what[key]} of a node in partition "
-                f"{partition.name} (sinfo): the jobs would never start; pass hydra.launcher.{key}={have[key]:g} or "
-                "less, null to derive it from the runs, or another hydra.launcher.partition")
+                f"{partition.name}{per_task if key == 'cpus_per_task' else ''} (sinfo): the jobs would never start; "
+                f"pass hydra.launcher.{key}={have[key]:g} or less, null to derive it from the runs, or another "
+                "hydra.launcher.partition")
         params[key] = value
     timeout = params.get("timeout_min")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 1:
@@ -160,6 +205,9 @@ def fit_resources(params: dict[str, Any], configs: Sequence[DictConfig], partiti
     if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0 or delay >= timeout * 60:
         raise ConfigError(f"hydra.launcher.signal_delay_s={delay!r} must be a whole number of seconds >= 0 and "
                           f"below the time limit ({timeout} min = {timeout * 60} s)")
+    if tasks > 1 and params.get("gpus_per_node") and params["gpus_per_node"] != tasks:
+        raise ConfigError(f"hydra.launcher.gpus_per_node={params['gpus_per_node']} but tasks_per_node={tasks}: each "
+                          f"rank drives one GPU; pass hydra.launcher.gpus_per_node={tasks} (or null)")
     if params.get("gpus_per_node") == 0:
         params["gpus_per_node"] = None  # sbatch is never asked about GPUs for a CPU job
     return params
