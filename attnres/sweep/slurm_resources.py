@@ -147,6 +147,14 @@ def job_shape(params: dict[str, Any], needs: Sequence[dict[str, Any]], configs: 
             if need["nodes"] > 1 and need["nodes"] != nodes:
                 raise ConfigError(f"trainer.num_nodes={need['nodes']} but hydra.launcher.nodes={nodes}; pass "
                                   f"hydra.launcher.nodes={need['nodes']} (or null)")
+    for config in configs:  # the global batch is kept: it must divide over the ranks
+        data = config.get("data", {})
+        step, batch, block = data.get("tokens_per_step"), data.get("batch_size"), data.get("block_size")
+        if isinstance(step, int) and isinstance(batch, int) and isinstance(block, int) and \
+                step % (batch * block * tasks * nodes):
+            raise ConfigError(f"data.tokens_per_step={step} does not divide over the job's {tasks * nodes} rank(s) x "
+                              f"data.batch_size={batch} x data.block_size={block}: pass a multiple of "
+                              f"{batch * block * tasks * nodes}, or change data.batch_size")
     return tasks, nodes
 
 

@@ -36,6 +36,15 @@ def config(devices=1, nodes=1, accelerator="cpu", workers=0):
                              "data": {"num_workers": workers}})
 
 
+def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused_before_submitting():
+    run = OmegaConf.merge(config(accelerator="gpu"), {"data": {"tokens_per_step": 4096, "batch_size": 4,
+                                                               "block_size": 128}})
+    assert slurm_resources.fit_resources(launcher_params(tasks_per_node=8), [run], GPUS)["tasks_per_node"] == 8
+    with pytest.raises(ConfigError, match=r"data.tokens_per_step=4096 does not divide over the job's 16 rank\(s\) x "
+                                          r"data.batch_size=4 x data.block_size=128: pass a multiple of 8192"):
+        slurm_resources.fit_resources(launcher_params(tasks_per_node=8, nodes=2), [run], GPUS)
+
+
 def test_the_job_shape_comes_from_the_runs_or_the_launcher():
     eight = slurm_resources.fit_resources(launcher_params(), [config(8, 2, "gpu", workers=3)], GPUS)
     assert (eight["tasks_per_node"], eight["nodes"], eight["gpus_per_node"]) == (8, 2, 8)
