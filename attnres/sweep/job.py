@@ -22,7 +22,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from attnres.atomic import read_json, write_json
 from attnres.sweep import slots, slurm_job, stopping
@@ -129,6 +129,11 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
                    CUDA_VISIBLE_DEVICES=slot.device if slot.device is not None and not slot.simulated else "")
         job_info.update(slot=slot.name, threads=slot.threads, simulated_gpu=slot.simulated,
                         device=f"cuda:{slot.device}" if slot.device is not None and not slot.simulated else "cpu")
+        if slot.gpus > 1:  # gpus_per_job: the job runs as that many DDP ranks (Lightning starts them)
+            with read_write(cfg), open_dict(cfg):
+                cfg.trainer.devices = slot.gpus
+                if str(cfg.trainer.get("strategy", "auto")) in ("auto", "single_device"):
+                    cfg.trainer.strategy = "ddp"
     elif slurm_job.in_slurm_job() and slurm_job.job_threads():  # the CPUs SLURM gave the job, not the node's
         env["OMP_NUM_THREADS"] = str(slurm_job.job_threads())
         job_info.update(threads=slurm_job.job_threads(), slurm_job=slurm_job.current_job_id())

@@ -42,15 +42,16 @@ class ParallelLauncher(AttnresLauncher, JoblibLauncher):
 
     def __init__(
         self, jobs_per_gpu: int = 1, cpu_jobs: int | None = None, lock_dir: str | None = None,
-        stop_grace_s: float = 30, **joblib: Any,
+        stop_grace_s: float = 30, gpus_per_job: int = 1, **joblib: Any,
     ) -> None:
         super().__init__(**joblib)
         self.jobs_per_gpu, self.cpu_jobs, self.stop_grace_s = jobs_per_gpu, cpu_jobs, float(stop_grace_s)
+        self.gpus_per_job = gpus_per_job
         self.lock_dir = Path(lock_dir) if lock_dir else default_lock_dir()
 
     def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
                 initial_job_idx: int) -> Sequence[JobReturn]:
-        slots = plan_slots(visible_gpus(), self.jobs_per_gpu, self.cpu_jobs)
+        slots = plan_slots(visible_gpus(), self.jobs_per_gpu, self.cpu_jobs, self.gpus_per_job)
         os.environ[SLOTS_ENV] = json.dumps([asdict(s) for s in slots])  # workers inherit it
         os.environ["ATTNRES_LOCK_DIR"] = str(self.lock_dir)
         stop = SweepStop(sweep_dir)

@@ -47,6 +47,7 @@ class Slot:
     device: str | None  # None on the CPU
     threads: int
     simulated: bool = False
+    gpus: int = 1  # devices of one job (gpus_per_job): its DDP ranks; `device` lists them ("0,1")
 
 
 def visible_gpus() -> list[str]:
@@ -63,16 +64,32 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def plan_slots(gpus: Sequence[str], jobs_per_gpu: int, cpu_jobs: int | None) -> list[Slot]:
+def plan_slots(gpus: Sequence[str], jobs_per_gpu: int, cpu_jobs: int | None, gpus_per_job: int = 1) -> list[Slot]:
+    """The slots of a sweep: `jobs_per_gpu` per GPU, or per group of `gpus_per_job` GPUs (a job of G
+    DDP ranks; slots count GPUs, so 8 GPUs are 4 slots of 2); without GPUs `cpu_jobs` CPU shares,
+    each of `gpus_per_job` processes when that is more than 1."""
     if jobs_per_gpu < 1:
         raise ValueError(f"hydra.launcher.jobs_per_gpu={jobs_per_gpu} must be >= 1")
+    if isinstance(gpus_per_job, bool) or not isinstance(gpus_per_job, int) or gpus_per_job < 1:
+        raise ConfigError(f"hydra.launcher.gpus_per_job={gpus_per_job!r} must be a whole number >= 1")
     cores = os.cpu_count() or 1
     simulated = bool(os.environ.get(FAKE_GPUS_ENV))
+    if gpus and gpus_per_job > 1:
+        if gpus_per_job > len(gpus):
+            raise ConfigError(f"hydra.launcher.gpus_per_job={gpus_per_job} but {len(gpus)} GPU(s) are visible here; "
+                              f"pass hydra.launcher.gpus_per_job={len(gpus)} or less")
+        groups = [gpus[i:i + gpus_per_job] for i in range(0, len(gpus) - gpus_per_job + 1, gpus_per_job)]
+        threads = max(1, cores // (len(groups) * gpus_per_job * jobs_per_gpu))
+        return [Slot(f"gpu{'+'.join(group)}.{k}", ",".join(group), threads, simulated, gpus_per_job)
+                for group in groups for k in range(jobs_per_gpu)]
     if gpus:
         n = len(gpus) * jobs_per_gpu
         threads = max(1, cores // n)
         return [Slot(f"gpu{g}.{k}", gpu, threads, simulated) for g, gpu in enumerate(gpus) for k in range(jobs_per_gpu)]
     n = cpu_jobs or max(min(2, cores), cores // 2)  # half the cores, but 2 jobs on a 2-core machine
+    if gpus_per_job > 1:  # jobs of several CPU processes (gloo): the shares count processes
+        n = max(1, n // gpus_per_job)
+        return [Slot(f"cpu{k}", None, max(1, cores // (n * gpus_per_job)), False, gpus_per_job) for k in range(n)]
     return [Slot(f"cpu{k}", None, max(1, cores // n)) for k in range(n)]
 
 
