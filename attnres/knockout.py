@@ -6,7 +6,6 @@ While it is armed, the strategy's `call_sublayer` and `mix` hand over to it and 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres.labels import sublayer_label
+from attnres.ops.dispatch import promoted
 
 MODES = ("remove", "mean")  # how a knocked-out source leaves a row (`attnres.probes`)
 
@@ -86,7 +86,7 @@ class Knockout:
         if self.collect is not None:
             self._collect(index, sources, cols)
         present = [j for j, v in enumerate(sources) if not self.is_removed(v)]  # by identity: before any cast
-        sources = _one_dtype(sources)
+        sources = promoted(sources)
         if index != self.row:
             if len(present) == len(sources):
                 return strategy.reference_mix(index, sources, columns)
@@ -119,14 +119,6 @@ class Knockout:
                 row[column][1] += v.shape[:-1].numel()
             else:
                 row[column] = [total, v.shape[:-1].numel()]
-
-
-def _one_dtype(sources: Sequence[Tensor]) -> Sequence[Tensor]:
-    """The sources in their promoted dtype, as the fast path mixes them: under autocast
-    (bf16-mixed) the embedding is float32 and the sublayer outputs bfloat16, which the depth
-    attention op refuses to mix. Unchanged (the same objects) when they share one dtype."""
-    dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
-    return [v.to(dtype) for v in sources] if any(v.dtype != dtype for v in sources) else sources
 
 
 def single_source_message(strategy: Any, index: int, column: int) -> str:

@@ -92,6 +92,16 @@ def implementation(kernel: str) -> ModuleType:
     return torch_fused
 
 
+def promoted(sources: Sequence[Tensor]) -> Sequence[Tensor]:
+    """The sources in their promoted dtype, as the fast path mixes them: under autocast
+    (bf16-mixed) the embedding is float32 and the sublayer outputs bfloat16, which the depth
+    attention op refuses to mix. Unchanged (the same objects) when they share one dtype."""
+    dtype = sources[0].dtype
+    for v in sources[1:]:
+        dtype = torch.promote_types(dtype, v.dtype)
+    return [v.to(dtype) for v in sources] if any(v.dtype != dtype for v in sources) else sources
+
+
 def check_sources(sources: Sequence[Tensor]) -> None:
     if not sources:
         raise ValueError("depth attention needs at least one source, got none")

@@ -44,14 +44,12 @@ other strategy parameters (no decay, the model's learning rate).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 
 from attnres.functional import generalized_depth_attention, static_depth_mixing
-from attnres.ops.dispatch import SCORINGS
+from attnres.ops.dispatch import SCORINGS, promoted
 
 QUERIES = ("static", "input")
 MIXINGS = ("attention", "static")
@@ -105,9 +103,7 @@ def ablated_mix(
     """Sublayer `index`'s (h, weights (S, ...)) over `sources` under the strategy's options.
     `columns`: the source index (heatmap column) of each of `sources`, when they are not the
     first S (a window); only the static logits depend on it."""
-    dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
-    if any(v.dtype != dtype for v in sources):  # under autocast: a float32 embedding, bf16 outputs
-        sources = [v.to(dtype) for v in sources]  # as the fast path does, the promoted dtype
+    sources = promoted(sources)  # under autocast: a float32 embedding, bf16 outputs
     if strategy.mixing == "static":
         row = strategy.mixing_logits[index]  # (S_max,)
         return static_depth_mixing(sources, row[: len(sources)] if columns is None else row[list(columns)])

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnres.functional import KERNELS, SourceStack, completed_attention, depth_attention, fold_queries, resolve_kernel
+from attnres.ops.dispatch import promoted
 from attnres.residual.ablations import DEFAULTS, ablated_mix, check_ablations, options_repr
 
 Sublayer = Callable[..., Tensor]
@@ -275,7 +276,7 @@ class DepthAttentionResidual(ResidualStrategy):
         if self.ablated:
             return ablated_mix(self, index, sources, columns)
         gain = None if self.key_norm_weight is None else self.key_norm_weight[index]
-        return depth_attention(sources, self.pseudo_query[index], gain, self.eps, self.kernel)
+        return depth_attention(promoted(sources), self.pseudo_query[index], gain, self.eps, self.kernel)
 
     def attend(self, index: int, sources: Sequence[Tensor]) -> Tensor:
         """Depth attention over `sources` with the query and key norm of `index`, recorded."""
