@@ -1,5 +1,9 @@
 """SLURM sweeps: `attnres-run -m hydra/launcher=slurm ...` sends each job of the sweep to SLURM as
-one task of a job array, through Hydra's submitit launcher, and makes it survive what clusters do.
+one element of a job array, through Hydra's submitit launcher, and makes it survive what clusters do.
+
+- A job may span GPUs and nodes: `tasks_per_node` x `nodes` SLURM tasks started by srun, one DDP
+  rank each (`slurm_resources.job_shape`, `slurm_job.shape_trainer`); rank 0 alone writes the run
+  folder, and a rank that dies stops the others and fails the job in one line naming it.
 
 - Resources fit the machine. `gpus_per_node`, `cpus_per_task` and `mem_gb` left null are derived
   from the runs (`run_needs`: no GPU for `trainer.accelerator=cpu`, or on a partition without

@@ -1,8 +1,8 @@
 """Sweep jobs of several SLURM tasks (attnres/sweep/slurm*.py, job.py): the job shape the launcher
 derives and checks (no cluster needed), and, marked `slurm`, 2-task jobs (CPU, gloo) on the local
 cluster (`experiments/slurm/cluster.sh up`): the same weights as one task with the same global
-batch, a killed rank failing its job in one line while the sweep goes on, and a requeued 2-task
-job continuing bit for bit."""
+batch, a killed rank failing its job in one line while the sweep goes on, and 2-task jobs requeued
+(`scontrol requeue`) or warned of their time limit (SIGUSR2) continuing bit for bit."""
 
 from __future__ import annotations
 
@@ -170,10 +170,12 @@ def test_two_tasks_train_to_the_weights_of_one_with_the_same_global_batch(cluste
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_a_killed_rank_fails_its_job_and_a_requeued_job_continues_bit_for_bit(cluster, tmp_path):
-    # killed: seed=0's rank 1 is killed mid-run, seed=1 runs to the end (the reference of the requeue)
+def test_a_killed_rank_fails_its_job_and_requeued_or_warned_jobs_continue_bit_for_bit(cluster, tmp_path):
+    # killed: seed=0's rank 1 is killed mid-run, seed=1 runs to the end (the reference of the others);
+    # requeued: `scontrol requeue` mid-run; warned: SIGUSR2, what SLURM sends before the time limit
     killed = Sweep("seed=0,1", f"trainer.max_steps={LONG}", cwd=tmp_path, name="killed")
     requeued = Sweep("seed=1", f"trainer.max_steps={LONG}", cwd=tmp_path, name="requeued")
+    warned = Sweep("seed=1", f"trainer.max_steps={LONG}", cwd=tmp_path, name="warned")
     done: dict[str, str] = {}
 
     def training(folder: Path) -> str | None:  # the SLURM task of a run that has a checkpoint and no end
@@ -183,7 +185,7 @@ def test_a_killed_rank_fails_its_job_and_a_requeued_job_continues_bit_for_bit(cl
 
     try:
         deadline = time.monotonic() + 1200
-        while (killed.proc.poll() is None or requeued.proc.poll() is None) and time.monotonic() < deadline:
+        while any(s.proc.poll() is None for s in (killed, requeued, warned)) and time.monotonic() < deadline:
             task = training(run_of(tmp_path / "killed", 0))
             if "killed" not in done and task and training_process(task, 1):
                 subprocess.run(["kill", "-KILL", str(training_process(task, 1))], check=True)
@@ -192,11 +194,15 @@ def test_a_killed_rank_fails_its_job_and_a_requeued_job_continues_bit_for_bit(cl
             if "requeued" not in done and task:
                 subprocess.run(["scontrol", "requeue", task], check=True)
                 done["requeued"] = task
+            task = training(run_of(tmp_path / "warned", 1))
+            if "warned" not in done and task:
+                subprocess.run(["scancel", "--signal=USR2", task], check=True)
+                done["warned"] = task
             time.sleep(0.3)
-        killed_out, requeued_out = killed.wait(timeout=60), requeued.wait(timeout=60)
+        killed_out, requeued_out, warned_out = (s.wait(timeout=60) for s in (killed, requeued, warned))
     finally:
-        cancel_all(tmp_path / "killed", tmp_path / "requeued")
-    assert done.keys() == {"killed", "requeued"}, (done, killed_out[-3000:], requeued_out[-3000:])
+        cancel_all(tmp_path / "killed", tmp_path / "requeued", tmp_path / "warned")
+    assert done.keys() == {"killed", "requeued", "warned"}, (done, killed_out[-3000:], requeued_out[-3000:])
 
     # the killed rank: its job failed in one line naming the rank; the sweep went on to its other job
     assert killed.proc.returncode == 1, killed_out[-3000:]
@@ -208,16 +214,20 @@ def test_a_killed_rank_fails_its_job_and_a_requeued_job_continues_bit_for_bit(cl
     assert "rank 1 of 2" in (tmp_path / "killed" / "summary.md").read_text()
 
     # the requeued 2-task job: continued from its checkpoint to the uninterrupted job's weights, bit for bit
+    # and the warned one (a checkpoint at the end of the step on every rank, then submitit's requeue)
     assert requeued.proc.returncode == 0, requeued_out[-3000:]
-    run, reference = run_of(tmp_path / "requeued", 1), run_of(tmp_path / "killed", 1)
-    assert json.loads((run / "slurm.json").read_text())["restarts"] >= 1
-    assert "continuing its own run" in (run / "train.log").read_text() + (run / "attnres.log").read_text()
-    got, want = weights(run), weights(reference)
-    assert got.keys() == want.keys()
-    for key in want:
-        assert torch_equal(got[key], want[key]), f"{key} differs from the uninterrupted 2-task job"
-    mine, theirs = (json.loads((d / "metrics.json").read_text()) for d in (run, reference))
-    assert mine["status"] == theirs["status"] == "finished" and mine["steps"] == theirs["steps"] == LONG
+    assert warned.proc.returncode == 0, warned_out[-3000:]
+    reference = run_of(tmp_path / "killed", 1)
+    for run in (run_of(tmp_path / "requeued", 1), run_of(tmp_path / "warned", 1)):
+        assert json.loads((run / "slurm.json").read_text())["restarts"] >= 1
+        assert "continuing its own run" in (run / "train.log").read_text() + (run / "attnres.log").read_text()
+        got, want = weights(run), weights(reference)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch_equal(got[key], want[key]), f"{run.parent.name}: {key} differs from the uninterrupted job"
+        mine, theirs = (json.loads((d / "metrics.json").read_text()) for d in (run, reference))
+        assert mine["status"] == theirs["status"] == "finished" and mine["steps"] == theirs["steps"] == LONG
+    assert "SIGUSR2" in (run_of(tmp_path / "warned", 1) / "train.log").read_text()
 
 
 def torch_equal(a, b) -> bool:
