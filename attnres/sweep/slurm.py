@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -124,8 +125,11 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
         """Runs in the SLURM job: the job (job.run_isolated, whose training process stops with a
         checkpoint on the preemption signal), then submitit's checkpoint-and-requeue if that signal
         came and the run is not finished."""
-        if slurm_job.ranks()[0] > 0:  # rank 0 alone writes the run folder (Hydra's .hydra/ too)
+        if slurm_job.ranks()[0] > 0:  # rank 0 alone writes the run folder (Hydra's .hydra/ and log too)
             sweep_overrides = [*sweep_overrides, "hydra.output_subdir=null"]
+            handlers = OmegaConf.select(self.config, "hydra.job_logging.handlers") if self.config else None
+            if handlers is not None and "file" in handlers:  # this rank logs to its task's own log only
+                sweep_overrides.append(f"hydra.job_logging.handlers.file.filename={os.devnull}")
         received: list[int] = []
         previous = {}
         for sig in PREEMPT_SIGNALS:

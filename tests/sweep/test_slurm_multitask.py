@@ -158,6 +158,7 @@ def test_two_tasks_train_to_the_weights_of_one_with_the_same_global_batch(cluste
     assert "2 micro-batch(es) of 4 x 32 per device and step, 1 device(s)" in one.stdout + one.stderr
     # rank 0 alone wrote the run folder: no second Hydra folder, one marker, rank 1's log in submitit's folder
     assert json.loads((run / "slurm.json").read_text())["job_id"] == job_id(run)
+    assert (run / "attnres.log").read_text().count(" - job 0 on ") == 1  # Hydra's log: rank 0's lines only
     ranked = list((tmp_path / "two" / ".submitit").glob("*/*_1_log.out"))
     assert ranked and "Job completed successfully" in ranked[0].read_text() + ranked[0].with_suffix(".err").read_text()
     # the same weights: float32, an all-reduce of 2 gradients against the sum of 2 accumulated ones
