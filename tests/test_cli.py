@@ -93,7 +93,7 @@ def test_fast_dev_run_through_cli(tmp_path):
     [
         (["residual=blok"], ["unknown residual 'blok'", "did you mean block",  # every option, from conf/residual/
                              ", ".join(sorted(f.stem for f in (CONF / "residual").glob("*.yaml")))]),
-        (["model=huge"], ["unknown model 'huge'", "gpt-small, tiny"]),
+        (["model=huge"], ["unknown model 'huge'", "gpt-small, paper-194m", "tiny"]),
         (["residual=block", "num_blocks=3"], ["num_blocks=3", "valid values: 1, 2, 4"]),
         (["data=text"], ["data.path is not set"]),
         (["data=text", "data.path=/no/such/corpus"], ["/no/such/corpus", "matches no file"]),

@@ -42,7 +42,14 @@ def test_which_checkpoint_a_run_continues_from(tmp_path):
         resume_checkpoint(run, resume=False, ckpt_path=str(tmp_path / "nope.ckpt"), overwrite=False)
     assert resume_checkpoint(run, resume=False, ckpt_path=str(last), overwrite=False) == str(last)
     assert resume_checkpoint(run, resume=False, ckpt_path=None, overwrite=True) is None
-    assert not last.exists()  # overwrite removed the old run's checkpoint
+    assert last.exists()  # overwrite clears the old run in `train`, once every check has passed
+    other = tmp_path / "other.ckpt"
+    other.write_bytes(b"x")
+    with pytest.raises(RunRefused, match="already holds a run; ckpt_path=.* would train over it"):
+        resume_checkpoint(run, resume=False, ckpt_path=str(other), overwrite=False)
+    with pytest.raises(ConfigError, match="copy it out of the folder first"):
+        resume_checkpoint(run, resume=False, ckpt_path=str(last), overwrite=True)
+    last.unlink()
     (run / "metrics.json").write_text('{"status": "finished"}')
     with pytest.raises(ConfigError, match="finished run .* has no checkpoints/last.ckpt"):
         resume_checkpoint(run, resume=True, ckpt_path=None, overwrite=False)
