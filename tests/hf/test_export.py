@@ -269,7 +269,7 @@ def test_the_page_does_what_it_shows(runs, tmp_path):
     """The transcripts of docs/huggingface.md (tests/test_docs.py checks its bash blocks): its
     attnres-export command on a run where the page has it, and its generate.py on the export."""
     blocks = page_blocks()
-    transcripts = [lines for tag, lines in blocks if tag == "text"]
+    transcripts = [lines for tag, lines in blocks if tag in ("text", "console")]
     command, shown = next(shown_run(t, "attnres-export") for t in transcripts
                           if any(x.startswith("$ attnres-export") for x in t))
     run_dir = command.split()[1]
