@@ -94,8 +94,8 @@ def test_budget_scales_steps_warm_up_and_validation(jobs):
     (_, tenth), = jobs("paper_scaling", "size=194m", "residual=standard", "budget=0.1", sweep=False)
     assert tenth.trainer.max_steps == math.ceil(full.trainer.max_steps / 10) == math.ceil(38.7e9 / 10 / (192 * CONTEXT))
     assert tenth.optim.schedule.warmup_steps == math.ceil(tenth.trainer.max_steps / 100)
-    # ten validations, counted in micro-batches of 4 x 8,192 tokens: 48 to a step
-    assert tenth.trainer.val_check_interval == pytest.approx(tenth.trainer.max_steps * 48 / 10, rel=0.01)
+    # ten validations, counted in micro-batches of 4 x 8,192 tokens on each of the job's 8 GPUs: 6 to a step
+    assert tenth.trainer.val_check_interval == tenth.trainer.max_steps * 6 // 10
     with pytest.raises(ConfigError, match="budget=0.1"):
         costs.steps(38.7e9, 192 * CONTEXT, 0.0)
 
@@ -184,3 +184,47 @@ def test_cfg_job_shows_a_paper_job(tmp_path):
     job = OmegaConf.create(result.stdout)
     assert (job.model.n_layer, job.model.n_embd, job.model.mlp_hidden, job.residual.num_blocks) == (17, 1258, 6528, 17)
     assert job.trainer.max_steps == math.ceil(119.0e9 / (432 * CONTEXT)) and job.data.block_size == CONTEXT
+
+
+def test_paper_scaling_sets_a_job_shape_per_size_and_prints_it(jobs):
+    """Issue 34: 8 GPUs (one node) for the three small sizes, 16 (two nodes) for the two large, each
+    micro-batch dividing the row's batch over the job's GPUs; the cost lines give GPUs and wall hours."""
+    found = jobs("paper_scaling", "data=tokens", "data.path=/nonexistent")
+    shapes = {}
+    for overrides, cfg in found:
+        size = next(o.split("=")[1] for o in overrides if o.startswith("size="))
+        gpus = cfg.trainer.devices * cfg.trainer.num_nodes
+        shapes[size] = (cfg.trainer.devices, cfg.trainer.num_nodes)
+        sequences = TABLE_2[size][1]
+        assert sequences % (cfg.data.batch_size * gpus) == 0  # whole micro-batches on every GPU
+        micro_per_gpu = cfg.trainer.max_steps * sequences // (cfg.data.batch_size * gpus)
+        assert micro_per_gpu // cfg.trainer.val_check_interval == 10  # ten validations, counted per GPU
+    assert shapes == {"194m": (8, 1), "241m": (8, 1), "296m": (8, 1), "436m": (8, 2), "528m": (8, 2)}
+    lines = costs.announce(found)
+    assert lines[2].split()[-4:] == ["GPU-hours", "GPUs", "wall", "hours"]
+    for line in lines[3:]:
+        hours, gpus, wall = (float(x.replace(",", "")) for x in line.split()[-3:])
+        assert gpus == (16 if "size=436m" in line or "size=528m" in line else 8)
+        assert wall == pytest.approx(hours / gpus, abs=0.06)
+    one = jobs("paper_scaling", "data=tokens", "data.path=/nonexistent", "gpus_per_job=1", "size=528m", sweep=False)
+    assert (one[0][1].trainer.devices, one[0][1].trainer.num_nodes) == (1, 1)  # one GPU: one job, one device
+    with pytest.raises(Exception, match="does not fill whole nodes of 8 GPUs"):
+        OmegaConf.to_container(jobs("paper_scaling", "data=tokens", "data.path=/x", "gpus_per_job=12",
+                                    sweep=False)[0][1].trainer, resolve=True)
+    cpu = jobs("paper_scaling", "scale=cpu")
+    assert {(cfg.trainer.devices, cfg.trainer.num_nodes) for _, cfg in cpu} == {(1, 1)}
+
+
+def test_a_sweep_of_two_job_shapes_goes_to_slurm_as_two_arrays(jobs):
+    slurm_resources = pytest.importorskip("attnres.sweep.slurm_resources")
+    pytest.importorskip("attnres.sweep.slurm", reason="needs the slurm extra (hydra-submitit-launcher)")
+    found = jobs("paper_scaling", "data=tokens", "data.path=/nonexistent", "trainer=gpu")
+    partition = slurm_resources.Partition("gpu", cpus=64, mem_mb=512_000, gpus=8, max_time_min=math.inf)
+    params = OmegaConf.to_container(OmegaConf.load(CONF / "hydra" / "launcher" / "slurm.yaml"))  # as a user leaves it
+    groups = slurm_resources.fit_groups(params, [cfg for _, cfg in found], partition)
+    sizes = [sorted({found[i][0][-2] for i in indices}) for indices, _ in groups]
+    assert sizes == [["size=194m", "size=241m", "size=296m"], ["size=436m", "size=528m"]]
+    assert [(p["tasks_per_node"], p["nodes"], p["gpus_per_node"]) for _, p in groups] == [(8, 1, 8), (8, 2, 8)]
+    forced = slurm_resources.fit_groups({**params, "tasks_per_node": 8, "nodes": 2}, [cfg for _, cfg in found][9:],
+                                        partition)
+    assert len(forced) == 1  # a shape the user sets is one array

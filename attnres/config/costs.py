@@ -10,10 +10,17 @@ FLOPs per token are the runner's MFU count (`attnres.training.lit.flops_per_toke
 included), V D the LM head; forward and backward, training steps only (validation left out).
 The depth attention's own arithmetic is left out: at the paper's shapes it is under 1% of it.
 
+Each job's line gives its shape too: GPUs (`trainer.devices` x `trainer.num_nodes`) and the wall
+hours its GPU-hours take on them.
+
 Also here, registered on import (`attnres.config.naming` imports this module):
 `${attnres.steps:TOKENS,TOKENS_PER_STEP[,FRACTION...]}`, the optimiser steps that train on
 TOKENS x every FRACTION tokens (at least 1, rounded up), so that an experiment states its
-token budget and a `budget` fraction, not step counts.
+token budget and a `budget` fraction, not step counts; `${attnres.devices:GPUS,PER_NODE}` and
+`${attnres.nodes:GPUS,PER_NODE}`, a job of GPUS GPUs as `trainer.devices` per node on
+`trainer.num_nodes` nodes of PER_NODE GPUs each; `${attnres.val_every:STEPS,TOKENS_PER_STEP,MICRO_TOKENS,
+COUNT}`, the validation interval in micro-batches of one GPU; `${attnres.product:A,B,...}` and
+`${attnres.or:VALUE,DEFAULT}` (DEFAULT where VALUE is null).
 """
 
 from __future__ import annotations
@@ -41,8 +48,56 @@ def steps(tokens: Any, tokens_per_step: Any, *fractions: Any) -> int:
     return max(1, math.ceil(float(tokens) * math.prod(float(f) for f in fractions) / float(tokens_per_step)))
 
 
-if not OmegaConf.has_resolver("attnres.steps"):
-    OmegaConf.register_new_resolver("attnres.steps", steps)
+def _job_gpus(gpus: Any, per_node: Any) -> tuple[int, int]:
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (gpus, per_node)):
+        raise ConfigError(f"GPUs per job and per node must be whole numbers >= 1, got {gpus!r} and {per_node!r}; e.g. "
+                          "gpus_per_job=1 on a machine with one GPU")
+    if gpus > per_node and gpus % per_node:
+        raise ConfigError(f"a job of {gpus} GPUs does not fill whole nodes of {per_node} GPUs (gpus_per_node); pass "
+                          f"gpus_per_job={per_node * math.ceil(gpus / per_node)} or another gpus_per_node")
+    return gpus, per_node
+
+
+def devices(gpus: Any, per_node: Any) -> int:
+    """`trainer.devices` of a job of `gpus` GPUs on nodes of `per_node` GPUs."""
+    gpus, per_node = _job_gpus(gpus, per_node)
+    return min(gpus, per_node)
+
+
+def nodes(gpus: Any, per_node: Any) -> int:
+    """`trainer.num_nodes` of a job of `gpus` GPUs on nodes of `per_node` GPUs."""
+    gpus, per_node = _job_gpus(gpus, per_node)
+    return max(1, gpus // per_node)
+
+
+def val_every(max_steps: Any, tokens_per_step: Any, micro_tokens: Any, count: Any) -> int:
+    """`trainer.val_check_interval` for `count` validations in a run of `max_steps` optimiser steps
+    of `tokens_per_step`, counted as Lightning counts it: in micro-batches of `micro_tokens` on one
+    GPU (rounded down, so that the last one falls inside the run)."""
+    values = [max_steps, tokens_per_step, micro_tokens, count]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in values):
+        raise ConfigError(f"attnres.val_every takes positive numbers (steps, tokens per step, tokens per micro-batch "
+                          f"and GPU, validations), got {values}")
+    return max(1, int(max_steps * tokens_per_step / micro_tokens // count))
+
+
+def product(*values: Any) -> int | float:
+    """The product of numbers (an interpolation's arithmetic)."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"attnres.product takes numbers, got {list(values)}")
+    return math.prod(values)
+
+
+def either(value: Any, default: Any) -> Any:
+    """`value`, or `default` where it is null."""
+    return default if value is None else value
+
+
+for _name, _resolver in (("attnres.steps", steps), ("attnres.devices", devices), ("attnres.nodes", nodes),
+                         ("attnres.val_every", val_every), ("attnres.product", product), ("attnres.or", either)):
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, _resolver)
 
 
 # -- one job ------------------------------------------------------------------------------------
@@ -95,6 +150,13 @@ def job_cost(cfg: DictConfig, built: dict[str, int] | None = None) -> dict[str, 
 
 
 # -- a sweep ------------------------------------------------------------------------------------
+def job_gpus(cfg: DictConfig) -> int:
+    """GPUs one job runs on: `trainer.devices` (a number; else 1) x `trainer.num_nodes`."""
+    found = cfg.trainer.get("devices")
+    per_node = found if isinstance(found, int) and found > 0 else len(found) if isinstance(found, (list, tuple)) else 1
+    return per_node * int(cfg.trainer.get("num_nodes") or 1)
+
+
 def _human(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
@@ -150,8 +212,10 @@ def announce(jobs: Sequence[tuple[Sequence[str], DictConfig]], skipped: int = 0)
     ]
     labels = _labels([o for o, _ in priced])
     width = max(len(label) for label in labels)
-    lines.append(f"  {'job':<{width}}  {'N':>7}  {'tokens':>7}  {'FLOPs':>8}  {'GPU-hours':>9}")
-    for label, row, h in zip(labels, rows, hours, strict=True):
+    lines.append(f"  {'job':<{width}}  {'N':>7}  {'tokens':>7}  {'FLOPs':>8}  {'GPU-hours':>9}  {'GPUs':>4}  "
+                 f"{'wall hours':>10}")
+    for label, row, h, (_, cfg) in zip(labels, rows, hours, priced, strict=True):
+        gpus = job_gpus(cfg)
         lines.append(f"  {label:<{width}}  {_human(row['non_embedding_parameters']):>7}  {_human(row['tokens']):>7}  "
-                     f"{row['flops']:>8.2e}  {h:>9,.1f}")
+                     f"{row['flops']:>8.2e}  {h:>9,.1f}  {gpus:>4}  {h / gpus:>10,.1f}")
     return lines

@@ -49,7 +49,7 @@ from attnres.config.errors import ConfigError
 from attnres.sweep import slurm_job
 from attnres.sweep.plan import AttnresLauncher, holds_run, plan_jobs, read_status
 from attnres.sweep.slurm_job import MARKER, PREEMPT_SIGNALS
-from attnres.sweep.slurm_resources import fit_resources, read_partition, run_command
+from attnres.sweep.slurm_resources import fit_groups, read_partition, run_command
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +71,48 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
 
     def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
                 initial_job_idx: int) -> Sequence[JobReturn]:
-        import submitit
-
         partition = read_partition(self.params.get("partition"))
-        fitted: dict[str, Any] = {}
+        groups: list[tuple[list[int], dict[str, Any]]] = []
 
         def fit(configs: list[DictConfig]) -> None:  # before the plan is recorded: a refusal writes nothing
             if configs:
-                fitted.update(fit_resources(self.params, configs, partition))
+                groups[:] = fit_groups(self.params, configs, partition)
 
         planned = plan_jobs(self, job_overrides, sweep_dir, check=fit)
         log.info(f"{len(job_overrides)} jobs: {len(planned)} to run, {len(job_overrides) - len(planned)} skipped "
                  f"(duplicate or finished); partition {partition.name}")
         if not planned:
             return []
-        params = fitted
-        poll_s = float(params.get("poll_s") or 5)
+        job_params = [(list(overrides), "hydra.sweep.dir", initial_job_idx + idx,
+                       f"job_id_for_{initial_job_idx + idx}", _singleton_state())
+                      for idx, (overrides, _) in enumerate(planned)]
+        order, jobs = [], []
+        poll_s = float(groups[0][1].get("poll_s") or 5)
+        for indices, params in groups:  # one job array per job shape
+            try:
+                jobs += self._submit(params, partition, sweep_dir, [job_params[i] for i in indices])
+            except ConfigError:  # sbatch refused this shape: the arrays already submitted go too
+                for job in jobs:
+                    with contextlib.suppress(Exception):
+                        job.cancel(check=False)
+                raise
+            order += indices
+        configs = [planned[i][1] for i in order]
+        try:
+            returns = wait_for_jobs(jobs, configs, sweep_dir, poll_s)
+            by_index = dict(zip(order, returns, strict=True))
+            return [by_index[i] for i in range(len(planned))]  # in the sweep's order
+        except KeyboardInterrupt:  # the jobs are the cluster's now: say how to follow them
+            arrays = " ".join(sorted({job.job_id.split("_")[0] for job in jobs}))
+            print(f"attnres-run: stopped waiting; the sweep's jobs keep running on the cluster (squeue -j {arrays}; "
+                  f"scancel {arrays} stops them); summarise them later with python experiments/summarize.py "
+                  f"{sweep_dir}", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+
+    def _submit(self, params: dict[str, Any], partition: Any, sweep_dir: Path, job_params: list[tuple]) -> list[Any]:
+        """One job array of `job_params` (jobs of one shape) with the fitted `params`."""
+        import submitit
+
         executor = submitit.AutoExecutor(cluster="slurm", folder=params["submitit_folder"],
                                          slurm_max_num_timeout=int(params.get("max_num_timeout") or 0))
         base = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name",
@@ -95,29 +121,18 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
         executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()
                                       if k not in skip and not k.startswith("_")})
         ranks = f"{params['nodes']} node(s) x {params['tasks_per_node']} task(s), each task "
-        log.info(f"SLURM: {len(planned)} job(s) to partition {partition.name}, each {ranks}"
+        log.info(f"SLURM: {len(job_params)} job(s) to partition {partition.name}, each {ranks}"
                  f"{params['cpus_per_task']} CPU(s); per node {params['mem_gb']} GB, "
                  f"{params.get('gpus_per_node') or 0} GPU(s); "
                  f"{params['timeout_min']} min -> {sweep_dir}")
-        job_params = []
-        for idx, (overrides, _) in enumerate(planned):
-            log.info(f"\t#{initial_job_idx + idx} : {' '.join(filter_overrides(overrides))}")
-            job_params.append((list(overrides), "hydra.sweep.dir", initial_job_idx + idx,
-                               f"job_id_for_{initial_job_idx + idx}", _singleton_state()))
+        for overrides, _, number, _, _ in job_params:
+            log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
         try:
-            jobs = executor.map_array(self, *zip(*job_params, strict=True))
+            return list(executor.map_array(self, *zip(*job_params, strict=True)))
         except Exception as err:  # sbatch refused the array: its own words, on one line
             words = " ".join(str(err).split())
             raise ConfigError(f"sbatch refused the sweep's jobs: {words[-300:]}; check the hydra.launcher.* "
                               "keys (docs/sweeps.md, SLURM)") from err
-        try:
-            return wait_for_jobs(jobs, [c for _, c in planned], sweep_dir, poll_s)
-        except KeyboardInterrupt:  # the jobs are the cluster's now: say how to follow them
-            arrays = " ".join(sorted({job.job_id.split("_")[0] for job in jobs}))
-            print(f"attnres-run: stopped waiting; the sweep's jobs keep running on the cluster (squeue -j {arrays}; "
-                  f"scancel {arrays} stops them); summarise them later with python experiments/summarize.py "
-                  f"{sweep_dir}", file=sys.stderr, flush=True)
-            raise SystemExit(130) from None
 
     # -- in the SLURM job ---------------------------------------------------------------------------
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,

@@ -158,6 +158,24 @@ def job_shape(params: dict[str, Any], needs: Sequence[dict[str, Any]], configs: 
     return tasks, nodes
 
 
+def fit_groups(params: dict[str, Any], configs: Sequence[DictConfig], partition: Partition
+               ) -> list[tuple[list[int], dict[str, Any]]]:
+    """The jobs grouped by the shape their runs ask for, each group with its fitted resources
+    ([(indices into configs, params)], one SLURM job array each): where the launcher leaves
+    `tasks_per_node` and `nodes` null and the runs differ in `trainer.devices` x `trainer.num_nodes`
+    (experiment=paper_scaling: 8 GPUs for the small sizes, 16 for the large), each shape is its
+    own group; otherwise one group of every job (`fit_resources`)."""
+    if params.get("tasks_per_node") is not None or params.get("nodes") is not None:
+        return [(list(range(len(configs))), fit_resources(params, configs, partition))]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, config in enumerate(configs):
+        need = run_needs(config, partition, int(params.get("cpus_per_process") or 1),
+                         float(params.get("mem_gb_per_process") or 4))
+        groups.setdefault((need["processes"], need["nodes"]), []).append(i)
+    return [(indices, fit_resources(params, [configs[i] for i in indices], partition))
+            for indices in groups.values()]
+
+
 def fit_resources(params: dict[str, Any], configs: Sequence[DictConfig], partition: Partition) -> dict[str, Any]:
     """`params` with the resources left null derived from the runs (capped to a node of the
     partition, with a warning), and those set by hand checked against it (ConfigError). A job of
