@@ -107,6 +107,46 @@ def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
     return lines[0]
 
 
+@contextlib.contextmanager
+def small_disk(where: Path, size: str, required: bool = True) -> Iterator[bool]:
+    """A tmpfs of `size` (mount's words: "256k", "20m") mounted at `where` (created) for the block,
+    unmounted after: a disk that fills. Yields whether it is mounted; without root, or where mount
+    fails, skips the test when `required`, else yields False (the caller simulates the full disk)."""
+    where.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                                    str(where)], capture_output=True).returncode == 0
+    if not mounted and required:
+        import pytest
+
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(where)], check=False)
+
+
+def check_exact_resume(cwd: Path, common: list[str], steps: int = 8, stop: int = 3
+                       ) -> subprocess.CompletedProcess:
+    """Train `steps` steps in one go (`whole/`), and `stop` steps then `resume=true` to `steps`
+    (`split/`): the resumed run trained on, and ends with the uninterrupted run's weights bit for bit.
+    Returns the uninterrupted run's result."""
+    whole = run_cli(*common, f"trainer.max_steps={steps}", "hydra.run.dir=whole", cwd=cwd)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run_cli(*common, f"trainer.max_steps={stop}", "hydra.run.dir=split", cwd=cwd)
+    assert first.returncode == 0, first.stderr[-3000:]
+    halfway = weights(cwd / "split/checkpoints/last.ckpt")
+    second = run_cli(*common, f"trainer.max_steps={steps}", "hydra.run.dir=split", "resume=true", cwd=cwd)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = weights(cwd / "whole/checkpoints/last.ckpt"), weights(cwd / "split/checkpoints/last.ckpt")
+    assert a.keys() == b.keys()
+    assert not all(torch.equal(halfway[k], b[k]) for k in b), "the resumed run did not train"
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs between resumed and uninterrupted runs"
+    assert f'"steps": {steps}' in (cwd / "split/metrics.json").read_text()
+    return whole
+
+
 def metrics(run_dir: Path) -> dict:
     """A run's metrics.json, strictly (NaN or Infinity in it raise: they are not JSON)."""
     def refuse(constant: str):

@@ -3,22 +3,15 @@ exit 2; the same command with resume=true writes the summary."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 
-from tests.helpers import faultinject_env, run_cli, tiny
+from tests.helpers import faultinject_env, run_cli, small_disk, tiny
 
 
 @pytest.mark.slow
 def test_a_full_disk_as_the_sweep_ends_keeps_the_jobs_and_resume_writes_the_summary(tmp_path):
     disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
+    with small_disk(disk, "20m"):
         sweep = ["-m", *tiny(steps=2, val_every=2), "seed=0,1", f"hydra.sweep.dir={disk}/sweep",
                  f"hydra.launcher.lock_dir={tmp_path}/locks"]
         fill = ["+hydra.callbacks.fill._target_=faultinject.FillDiskAtSweepEnd",
@@ -35,5 +28,3 @@ def test_a_full_disk_as_the_sweep_ends_keeps_the_jobs_and_resume_writes_the_summ
         again = run_cli(*sweep, "resume=true", cwd=tmp_path)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "0 to run" in again.stdout and (disk / "sweep" / "summary.md").is_file(), again.stdout[-2000:]
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)

@@ -13,7 +13,7 @@ import torch
 
 from attnres.config.errors import ConfigError
 from attnres.training.checkpoints import AtomicCheckpointIO, digest_path, file_digest, load_checkpoint
-from tests.helpers import one_line_error, run_cli, tiny
+from tests.helpers import one_line_error, run_cli, small_disk, tiny
 
 
 def _flip(path, count: int = 64) -> None:
@@ -83,14 +83,9 @@ def test_a_full_disk_in_the_middle_of_a_checkpoint_is_an_oserror_naming_it(tmp_p
     """torch words a failed write of the file under it as a RuntimeError ("unexpected pos"); the
     runner's one-line disk-full answer needs the OSError, and the previous checkpoint stays."""
     import errno
-    import subprocess
 
     disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
+    with small_disk(disk, "256k"):
         io = AtomicCheckpointIO()
         path = disk / "last.ckpt"
         io.save_checkpoint({"w": torch.zeros(1000)}, path)
@@ -99,5 +94,3 @@ def test_a_full_disk_in_the_middle_of_a_checkpoint_is_an_oserror_naming_it(tmp_p
         assert raised.value.errno == errno.ENOSPC and str(path) in str(raised.value)
         assert torch.equal(load_checkpoint(path)["w"], torch.zeros(1000))  # the previous one, its record agreeing
         assert not list(disk.glob(".*.tmp"))
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)

@@ -17,7 +17,7 @@ from attnres.training.checkpoints import (
 )
 from attnres.training.faults import RunRefused
 from attnres.training.lit import LitLanguageModel
-from tests.helpers import TINY, one_line_error, run_cli, weights
+from tests.helpers import TINY, check_exact_resume, one_line_error, run_cli
 
 
 def _module(n_embd: int = 16) -> LitLanguageModel:
@@ -77,19 +77,7 @@ def test_a_checkpoint_of_another_model_or_none_is_refused_in_one_line(tmp_path):
 def test_resume_equals_uninterrupted(tmp_path):
     common = [*TINY, "residual=block", "num_blocks=2", "trainer.val_check_interval=4", "optim.total_steps=8",
               "optim.schedule.warmup_steps=2"]
-    whole = run_cli(*common, "trainer.max_steps=8", "hydra.run.dir=whole", cwd=tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    first = run_cli(*common, "trainer.max_steps=3", "hydra.run.dir=split", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    halfway = weights(tmp_path / "split/checkpoints/last.ckpt")
-    second = run_cli(*common, "trainer.max_steps=8", "hydra.run.dir=split", "resume=true", cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    a, b = weights(tmp_path / "whole/checkpoints/last.ckpt"), weights(tmp_path / "split/checkpoints/last.ckpt")
-    assert a.keys() == b.keys()
-    assert not all(torch.equal(halfway[k], b[k]) for k in b), "the resumed run did not train"
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs between resumed and uninterrupted runs"
-    assert '"steps": 8' in (tmp_path / "split/metrics.json").read_text()
+    check_exact_resume(tmp_path, common)
 
 
 @pytest.mark.slow

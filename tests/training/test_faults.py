@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import CLI, cli_env, faultinject_env, metrics, run_cli, shared_once, tiny, weights
+from tests.helpers import CLI, cli_env, faultinject_env, metrics, run_cli, shared_once, small_disk, tiny, weights
 
 # tiny model and data, dropout on, validation (and so a checkpoint) every 2 steps, 6 steps in all
 BASE = tiny("model.dropout=0.1", "residual=block", "num_blocks=2", "optim.schedule.warmup_steps=2",
@@ -196,20 +196,11 @@ def test_nonfinite_weights_skip_policy_gives_up_after_max_in_a_row(tmp_path):
     assert "non-finite loss at step 5 (3 steps in a row)" in result.stderr, result.stderr[-2000:]
 
 
-def _mount_tmpfs(where: Path, size: str) -> bool:
-    where.mkdir()
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True).returncode == 0
-
-
 @pytest.mark.slow
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
     disk = tmp_path / "disk"
     # a checkpoint of the tiny model is ~330 KB: room for best + last, not for a third copy being written
-    mounted = _mount_tmpfs(disk, "900k")
-    try:
+    with small_disk(disk, "900k", required=False) as mounted:
         extra = [] if mounted else fault("DiskFullAt", step=4)
         result = run(f"hydra.run.dir={disk}/run", "trainer.max_steps=40", *extra, cwd=tmp_path)
         assert result.returncode == 2, (mounted, result.returncode, result.stderr[-3000:])
@@ -220,9 +211,6 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
         assert not list(ckpts.glob(".*.tmp")), "a failed write left its temporary file"
         kept = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)
         assert kept["global_step"] >= 2 and f"step {kept['global_step']}" in lines[0]
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(disk)], check=False)
 
 
 @pytest.mark.slow

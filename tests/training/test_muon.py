@@ -17,7 +17,7 @@ from attnres import BlockAttentionResidual, HyperConnectionResidual
 from attnres.model import Transformer
 from attnres.training.lit import LitLanguageModel, parameter_groups
 from attnres.training.optimizers import MuonWithAdamW, describe_optimizer
-from tests.helpers import CONF, TINY, one_line_error, run_cli, weights
+from tests.helpers import CONF, TINY, check_exact_resume, one_line_error, run_cli
 
 MUON = {"lr": 0.02, "momentum": 0.9, "nesterov": True, "weight_decay": 0.05, "ns_steps": 5,
         "adjust_lr_fn": "match_rms_adamw"}
@@ -181,21 +181,10 @@ def test_muon_resume_equals_uninterrupted(tmp_path):
     """tests/training/test_checkpoints.py's exact-resume test, under optim=muon."""
     common = [*TINY, "optim=muon", "residual=block", "num_blocks=2", "trainer.val_check_interval=4",
               "optim.total_steps=8", "optim.schedule.warmup_steps=2"]
-    whole = run_cli(*common, "trainer.max_steps=8", "hydra.run.dir=whole", cwd=tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    whole = check_exact_resume(tmp_path, common)
     assert "Muon lr 0.03 on hidden matrices, AdamW lr 0.003" in whole.stdout + whole.stderr  # the start line
-    first = run_cli(*common, "trainer.max_steps=3", "hydra.run.dir=split", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    halfway = weights(tmp_path / "split/checkpoints/last.ckpt")
     saved = torch.load(tmp_path / "split/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
     assert set(saved["optimizer_states"][0]) == {"muon", "adamw"} and saved["optimizer_states"][0]["muon"]["state"]
-    second = run_cli(*common, "trainer.max_steps=8", "hydra.run.dir=split", "resume=true", cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    a, b = weights(tmp_path / "whole/checkpoints/last.ckpt"), weights(tmp_path / "split/checkpoints/last.ckpt")
-    assert a.keys() == b.keys()
-    assert not all(torch.equal(halfway[k], b[k]) for k in b), "the resumed run did not train"
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs between resumed and uninterrupted runs"
 
 
 @pytest.mark.slow

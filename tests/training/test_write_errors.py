@@ -3,23 +3,14 @@ the file and what was kept, exit 2, never a traceback or a screen of logging err
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import CLI, cli_env, faultinject_env, run_cli, tiny
+from tests.helpers import CLI, cli_env, faultinject_env, run_cli, small_disk, tiny
 
 RUN = tiny("residual=block", "num_blocks=2", steps=40, val_every=5, progress_bar=False)
-
-
-def _mount_tmpfs(where: Path, size: str) -> None:
-    where.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
 
 
 def _user_lines(stderr: str) -> list[str]:
@@ -42,8 +33,7 @@ def test_a_folder_made_unwritable_mid_run_is_one_line(tmp_path, error, said):
 @pytest.mark.slow
 def test_a_full_disk_before_the_start_is_one_line_and_writes_nothing(tmp_path):
     disk = tmp_path / "disk"
-    _mount_tmpfs(disk, "256k")
-    try:
+    with small_disk(disk, "256k"):
         with open(disk / "fill", "wb") as f, pytest.raises(OSError):
             while True:
                 f.write(bytes(1 << 16))
@@ -54,16 +44,13 @@ def test_a_full_disk_before_the_start_is_one_line_and_writes_nothing(tmp_path):
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
         assert "No space left on device" in lines[0] and "free some space" in lines[0], lines[0]
         assert sorted(p.name for p in disk.iterdir()) == ["fill"]
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 @pytest.mark.slow
 def test_a_disk_filled_mid_run_is_one_warning_and_one_error(tmp_path):
     """The log file cannot be written either: one warning, not a traceback per log message."""
     disk = tmp_path / "disk"
-    _mount_tmpfs(disk, "20m")
-    try:
+    with small_disk(disk, "20m"):
         proc = subprocess.Popen([*CLI, *RUN, "trainer.max_steps=100000", f"hydra.run.dir={disk}/run"], cwd=tmp_path,
                                 env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
@@ -80,5 +67,3 @@ def test_a_disk_filled_mid_run_is_one_warning_and_one_error(tmp_path):
         lines = _user_lines(stderr)
         assert len(lines) <= 2 and lines[-1].startswith("attnres-run: error: disk full writing"), stderr[-3000:]
         assert all(line.startswith("attnres-run: warning: cannot write the log file") for line in lines[:-1]), lines
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
