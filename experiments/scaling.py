@@ -89,10 +89,13 @@ class NotEnoughSizesError(ValueError):
     pass
 
 
-def analyse(sweep_dir: Path, metric: str = "val/loss", samples: int = 2000) -> dict[str, Any]:
+def analyse(sweep_dir: Path, metric: str = "val/loss", samples: int = 2000,
+            rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Fit, multipliers and intervals of a sweep; writes scaling.md, .csv and .png into it.
+    `rows` (of `collect_rows`, from any folders) replaces the sweep's own runs.
     Returns summary (lines), baseline_fit, fits, geomean {strategy: x}, intervals."""
-    records = [r for r in (run_record(row, metric) for row in collect_rows(sweep_dir)) if r]
+    rows = collect_rows(sweep_dir) if rows is None else rows
+    records = [r for r in (run_record(row, metric) for row in rows) if r]
     cells = cells_from_runs(records, metric)
     baseline = [c for c in cells if c.strategy == BASELINE]
     others = [c for c in cells if c.strategy != BASELINE]

@@ -1,16 +1,17 @@
-"""The reproduction study: does small scale reproduce the Attention Residuals paper's claims?
+"""The reproduction study: which of the Attention Residuals paper's claims does a CPU resolve?
 
-    python experiments/reproduce/run.py                 # every part on CPU, then REPORT.md
-    python experiments/reproduce/run.py --parts shapes  # one part (shapes, knobs, ladder)
-    python experiments/reproduce/run.py --report-only   # rebuild REPORT.md from the runs so far
-    python experiments/reproduce/run.py --gpu           # the same study at the GPU sizes
+    python experiments/reproduce/run.py                   # every part (about 2 hours on 2 free cores), then REPORT.md
+    python experiments/reproduce/run.py --parts ordering  # one part: prepare, ordering, blocksize, depth, ladder
+    python experiments/reproduce/run.py --report-only     # rebuild REPORT.md from the runs so far
 
-Each part is one or more `attnres-run -m` sweeps (configs: experiments/reproduce/conf/ and
-conf/experiment/scaling_ladder.yaml) into `experiments/reproduce/runs/<sweep>/` (`--out`
-moves it). Every sweep runs with `resume=true`: run the command again after a crash, a kill or
-Ctrl-C and finished jobs are skipped, unfinished ones continue from their last checkpoint. The
-wall time of each part is added up across invocations in `runs/state.json`. The report
-(experiments/reproduce/report.py) is written at the end, or alone with `--report-only`.
+Part `prepare` tokenizes the stdlib with a 1,024-token BPE into experiments/reproduce/data/stdlib-1k
+(once). Every other part is one `attnres-run -m` sweep of experiment=repro_study
+(experiments/reproduce/conf/, the shapes and budgets; STUDY_PLAN.md, why) into
+`experiments/reproduce/runs/<part>/` (`--out` moves it). Every sweep runs with `resume=true`: run
+the command again after a crash, a kill or Ctrl-C and finished jobs are skipped, unfinished ones
+continue from their last checkpoint. The wall time of each part is added up across invocations
+in `runs/state.json`. The report (experiments/reproduce/report.py) is written at the end, or alone
+with `--report-only`.
 """
 
 from __future__ import annotations
@@ -41,20 +42,35 @@ class Part:
     sweeps: tuple[Sweep, ...]
 
 
-SEEDS = "seed=0,1,2"
-SHAPES = ("experiment=repro_shapes",)
+REPO = HERE.parent.parent
+DATA = HERE / "data" / "stdlib-1k"
+SEEDS = "seed=0,1,2,3,4"
+STUDY = ("experiment=repro_study",)
 PARTS = (
-    Part("shapes", "the loss ordering of standard, Block and Full AttnRes at a wide and a deep shape; "
-                   "magnitudes, gradient norms and depth attention across depth",
-         (Sweep("shapes", (*SHAPES, "shape=wide,deep", "residual=standard,block,full", SEEDS)),)),
-    Part("knobs", "how the answer depends on optim.query_lr_scale and num_blocks (wide shape, L = 8; its "
-                  "standard runs, Block N=4 at scale 0.1 and Full, which is Block N=8, come from part shapes)",
-         (Sweep("knobs_query_lr", (*SHAPES, "shape=wide", "residual=block", "optim.query_lr_scale=0.03,0.3,1", SEEDS)),
-          Sweep("knobs_num_blocks", (*SHAPES, "shape=wide", "residual=block", "num_blocks=2", SEEDS)))),
-    Part("ladder", "the compute-equivalence multiplier of Block AttnRes over a four-rung size ladder",
-         (Sweep("ladder", ("experiment=scaling_ladder",)),)),
+    Part("prepare", "tokenized stdlib, a 1,024-token byte-level BPE", ()),
+    Part("ordering", "the loss ordering of standard, Block (N=4, S=4) and Full at the deep shape; magnitudes and "
+                     "gradient norms across depth from the same runs",
+         (Sweep("ordering", (*STUDY, "shape=deep", "residual=standard,block,full", SEEDS)),)),
+    Part("blocksize", "Figure 6's trend at the deep shape: S = 2 (N=8) and 8 (N=2); S = 1 (Full) and 4 (N=4) "
+                      "come from part ordering",
+         (Sweep("blocksize", (*STUDY, "shape=deep", "residual=block", "num_blocks=8,2", SEEDS)),)),
+    Part("depth", "Figure 7's direction at equal non-embedding parameters: Block S=2 minus standard at the "
+                  "shallow shape (2 x 80) against the deep one (8 x 40, from parts ordering and blocksize)",
+         (Sweep("depth", (*STUDY, "shape=shallow", "residual=standard,block", "num_blocks=2", SEEDS)),)),
+    Part("ladder", "the compute multiplier of Block N=8 over standard on a four-rung ladder (8 layers, width "
+                   "16, 24, 32 and 40 from parts ordering and blocksize, 25 tokens per parameter)",
+         (Sweep("ladder", (*STUDY, "shape=w16,w24,w32", "residual=standard,block", "num_blocks=8", SEEDS)),)),
 )
-GPU = ("scale=gpu", "trainer=gpu")
+
+
+def prepare() -> int:
+    """Tokenize the stdlib once (the folder is written atomically, meta.json last)."""
+    if (DATA / "meta.json").is_file():
+        print(f"prepare: {DATA} is there", flush=True)
+        return 0
+    command = ["attnres-prepare", "stdlib", str(DATA), "--vocab-size", "1024"]
+    print("+ " + " ".join(command), flush=True)
+    return subprocess.call(command, cwd=REPO)
 
 
 def read_state(out: Path) -> dict:
@@ -70,13 +86,13 @@ def write_state(out: Path, state: dict) -> None:
     os.replace(tmp, out / "state.json")
 
 
-def run_sweep(sweep: Sweep, out: Path, gpu: bool, jobs: int | None) -> int:
+def run_sweep(sweep: Sweep, out: Path, jobs: int | None) -> int:
     command = [sys.executable, "-m", "attnres", "-m", f"hydra.searchpath=[file://{CONF}]", *sweep.overrides,
-               *(GPU if gpu else ()), f"hydra.sweep.dir={out / sweep.folder}", "resume=true"]
+               f"hydra.sweep.dir={out / sweep.folder}", "resume=true", "trainer.enable_progress_bar=false"]
     if jobs:
         command.append(f"hydra.launcher.cpu_jobs={jobs}")
     print("+ " + " ".join(command[1:]), flush=True)
-    return subprocess.call(command)
+    return subprocess.call(command, cwd=REPO)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,11 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [p.name for p in PARTS]
     parser.add_argument("--parts", default=",".join(names),
                         help=f"comma-separated, of {', '.join(names)} (default: all)")
-    parser.add_argument("--gpu", action="store_true", help="the GPU sizes (scale=gpu trainer=gpu)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="parallel jobs without a GPU (default 1: timings of one job at a time; 0: the launcher's)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default experiments/reproduce/runs, "
-                                                                 "runs-gpu with --gpu)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="parallel jobs, each with its share of the cores (default 2; 0: the launcher's)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default experiments/reproduce/runs)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild REPORT.md from the runs so far")
     args = parser.parse_args(argv)
     wanted = [p for p in args.parts.split(",") if p]
@@ -100,15 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 0:
         print("run.py: --jobs must be 0 or more (0: the launcher decides)", file=sys.stderr)
         return 2
-    out = (args.out or HERE / ("runs-gpu" if args.gpu else "runs")).resolve()
+    out = (args.out or HERE / "runs").resolve()
     out.mkdir(parents=True, exist_ok=True)
     failed = []
+    if not args.report_only and "prepare" not in wanted and not (DATA / "meta.json").is_file():
+        wanted.insert(0, "prepare")  # the sweeps read the tokenized data
     if not args.report_only:
         parts = [p for p in PARTS if p.name in wanted]
         for number, part in enumerate(parts, 1):
             print(f"\n== part {number}/{len(parts)}: {part.name}: {part.question}", flush=True)
             start = time.monotonic()
-            codes = [run_sweep(sweep, out, args.gpu, args.jobs or None) for sweep in part.sweeps]
+            codes = ([prepare()] if part.name == "prepare" else
+                     [run_sweep(sweep, out, args.jobs or None) for sweep in part.sweeps])
             state = read_state(out)
             entry = state.setdefault(part.name, {"wall_s": 0.0, "invocations": 0})
             entry["wall_s"] = round(entry["wall_s"] + time.monotonic() - start, 1)
@@ -124,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 return codes[-1]
     from report import write_report  # experiments/reproduce/report.py, beside this file
 
-    report = write_report(out, gpu=args.gpu)
+    report = write_report(out)
     print(f"report: {report}")
     if failed:
         print(f"run.py: part(s) {', '.join(failed)} did not finish every job; the report says which; "
