@@ -507,8 +507,8 @@ def part_ladder(out: Path, runs: Sequence[Run], figs: Path) -> tuple[list[str], 
     text = [f"{_counts(runs, 'ladder')} (widths 16, 24 and 32; width 40 is the deep shape's standard and Block N = 8 "
             "runs of parts ordering and blocksize). Four rungs of 8 layers, 25 tokens per parameter each, "
             "standard against Block N = 8 (S = 2), 3 seeds (5 at width 40). The baseline's fit has its exponent "
-            "and irreducible term fitted (three parameters on four sizes; not fixed from the paper). The paper's 1.25x comes "
-            "from its five sizes' power laws at 5.6 PFLOP/s-days (Table 2's fits).", "", *body, "",
+            "and irreducible term fitted (three parameters on four sizes; not fixed from the paper). The paper's "
+            "1.25x comes from its five sizes' power laws at 5.6 PFLOP/s-days (Table 2's fits).", "", *body, "",
             f"![scaling]({png.relative_to(HERE).as_posix()})"]
     multiplier, interval = result["geomean"].get("block"), result["intervals"].get("block")
     if multiplier is None:
