@@ -52,8 +52,11 @@ def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwr
                 f"resume=true but the finished run in {run_dir} has no checkpoints/last.ckpt to continue from; "
                 "pass overwrite=true to train it again, or name=<new name> for a new folder"
             )
-        log.warning(f"resume=true: {run_dir} has no checkpoint yet (stopped before its first one); "
-                    "starting this run from scratch")
+        if (run_dir / "checkpoints").is_dir() or any(run_dir.glob("events.out.tfevents.*")):  # an earlier start
+            log.warning(f"resume=true: {run_dir} has no checkpoint yet (stopped before its first one); "
+                        "starting this run from scratch")
+        else:  # a new job of a sweep run with resume=true: nothing to say but that it starts
+            log.info(f"resume=true: no earlier run in {run_dir}; starting it")
         return None
     if overwrite:
         return None  # `train` clears the previous run once every check has passed

@@ -55,6 +55,22 @@ def test_which_checkpoint_a_run_continues_from(tmp_path):
         resume_checkpoint(run, resume=True, ckpt_path=None, overwrite=False)
 
 
+def test_resume_on_a_new_folder_starts_quietly_and_on_a_stopped_start_says_so(tmp_path, caplog):
+    """A sweep run with resume=true starts its new jobs without a warning each; a run stopped
+    before its first checkpoint (its events file written) is warned about."""
+    import logging
+
+    new, stopped = tmp_path / "new", tmp_path / "stopped"
+    new.mkdir()
+    stopped.mkdir()
+    (stopped / "events.out.tfevents.1.host.1.0").write_bytes(b"")
+    with caplog.at_level(logging.INFO, logger="attnres"):
+        assert resume_checkpoint(new, resume=True, ckpt_path=None, overwrite=False) is None
+        assert resume_checkpoint(stopped, resume=True, ckpt_path=None, overwrite=False) is None
+    levels = {(r.levelname, "no checkpoint yet" in r.getMessage()) for r in caplog.records}
+    assert levels == {("INFO", False), ("WARNING", True)}, caplog.records
+
+
 def test_a_checkpoint_of_another_model_or_none_is_refused_in_one_line(tmp_path):
     module = _module()
     good, garbage, other = tmp_path / "good.ckpt", tmp_path / "garbage.ckpt", tmp_path / "other.ckpt"
