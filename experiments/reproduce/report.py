@@ -410,17 +410,17 @@ def part_dynamics(runs: Sequence[Run], figs: Path) -> tuple[list[str], list[str]
         seeds = sorted(set(growth[name]) & set(growth["standard"]))
         if not seeds:
             continue
-        mag = Effect({s: 100 * math.log(growth[name][s] / growth["standard"][s]) for s in seeds})
-        grad = Effect({s: 100 * math.log(spread[name][s] / spread["standard"][s]) for s in seeds})
+        mag = Effect({s: math.log(growth[name][s] / growth["standard"][s]) for s in seeds})
+        grad = Effect({s: math.log(spread[name][s] / spread["standard"][s]) for s in seeds})
         claims.append(claim(verdict(mag, [-1e-9]),
                             f"hidden-state magnitude stays bounded over depth with {name} but grows with the standard "
                             f"residual (paper, Figure 5b): growth {statistics.fmean(growth[name].values()):.2f}x "
-                            f"against {statistics.fmean(growth['standard'].values()):.2f}x; log ratio x 100 "
-                            f"{mag.text(' ')} (no size in the paper: contradicted needs the other side of zero)"))
+                            f"against {statistics.fmean(growth['standard'].values()):.2f}x; log of the ratio, paired by "
+                            f"seed, {mag.text('')} (no size in the paper: contradicted needs the other side of zero)"))
         claims.append(claim(verdict(grad, [-1e-9]),
                             f"gradient norms are more uniform across depth with {name} (paper, Figure 5c): largest "
                             f"over smallest {statistics.fmean(spread[name].values()):.2f}x against "
-                            f"{statistics.fmean(spread['standard'].values()):.2f}x; log ratio x 100 {grad.text(' ')}"))
+                            f"{statistics.fmean(spread['standard'].values()):.2f}x; log of the ratio {grad.text('')}"))
     mags = {n: np.stack([d["magnitude/plot"][1] for d in per.values()]) for n, per in data.items() if per}
     grads = {n: np.stack([d["grad_norm/plot"][1] for d in per.values()]) for n, per in data.items() if per}
     labels = next(iter(data["standard"].values()))["magnitude/plot"][2]["labels"]
