@@ -416,7 +416,8 @@ def part_dynamics(runs: Sequence[Run], figs: Path) -> tuple[list[str], list[str]
                             f"hidden-state magnitude stays bounded over depth with {name} but grows with the standard "
                             f"residual (paper, Figure 5b): growth {statistics.fmean(growth[name].values()):.2f}x "
                             f"against {statistics.fmean(growth['standard'].values()):.2f}x; log of the ratio, paired "
-                            f"by seed, {mag.text('')} (no size in the paper: contradicted needs the other side of zero)"))
+                            f"by seed, {mag.text('')} (no size in the paper: contradicted needs the other side of "
+                            "zero)"))
         claims.append(claim(verdict(grad, [-1e-9]),
                             f"gradient norms are more uniform across depth with {name} (paper, Figure 5c): largest "
                             f"over smallest {statistics.fmean(spread[name].values()):.2f}x against "
