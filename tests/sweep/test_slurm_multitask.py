@@ -235,3 +235,23 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_sweep_of_two_job_shapes_runs_as_two_arrays(cluster, tmp_path):
+    """Runs that ask for 1 and 2 processes (trainer.devices): one array of 1-task jobs and one of
+    2-task jobs, as experiment=paper_scaling sends its 8- and 16-GPU sizes."""
+    ran = subprocess.run(["nice", "-n", "10", *CLI, "-m", "hydra/launcher=slurm", "hydra.launcher.poll_s=1",
+                          "hydra.launcher.timeout_min=10", *RUN, "seed=0", "trainer.max_steps=10",
+                          "trainer.devices=1,2", "hydra.sweep.dir=mixed"], cwd=tmp_path,
+                         env=cli_env({"HYDRA_FULL_ERROR": "0"}), capture_output=True, text=True, timeout=600)
+    cancel_all(tmp_path / "mixed")
+    out = ran.stdout + ran.stderr
+    assert ran.returncode == 0 and "sweep: 2 jobs, 2 finished" in out, out[-3000:]
+    assert "SLURM: 1 job(s) to partition" in out and "each 1 node(s) x 1 task(s)" in out
+    assert "each 1 node(s) x 2 task(s)" in out
+    arrays = {p.name.split("_")[0] for p in (tmp_path / "mixed" / ".submitit").iterdir() if p.name[0].isdigit()}
+    assert len(arrays) == 2, arrays
+    logs = [log.read_text() for log in (tmp_path / "mixed").glob("*/train.log")]
+    assert sum("2 device(s)" in log for log in logs) == 1 and sum("1 device(s)" in log for log in logs) == 1
