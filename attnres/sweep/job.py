@@ -30,6 +30,7 @@ from attnres.sweep.plan import folder_key, read_status, sweep_jobs
 from attnres.sweep.slots import (
     PARENT_ENV,
     SLOTS_ENV,
+    Slot,
     _sweep_of_worker,
     claim_slot,
     default_lock_dir,
@@ -97,6 +98,22 @@ def run_child_job(spec_path: Path) -> int:
         return 1
 
 
+def fit_to_slot(cfg: DictConfig, slot: Slot) -> None:
+    """A job of this machine's parallel launcher runs on its slot's devices, on this one machine:
+    a run that asks for more nodes (`trainer.num_nodes`, which only a cluster launcher can start)
+    or more GPUs than its slot holds (experiment=paper_scaling's 8 or 16) runs on the slot's, and
+    says so; its global batch (`data.tokens_per_step`) stays, the gradient accumulation follows."""
+    devices, nodes = cfg.trainer.get("devices"), int(cfg.trainer.get("num_nodes") or 1)
+    on_gpus = slot.device is not None and not slot.simulated
+    if nodes == 1 and not (on_gpus and isinstance(devices, int) and devices > slot.gpus):
+        return
+    with read_write(cfg), open_dict(cfg):
+        cfg.trainer.devices, cfg.trainer.num_nodes = slot.gpus, 1
+    log.info(f"job {HydraConfig.get().job.num}: trainer.devices={devices} x trainer.num_nodes={nodes} asked, on one "
+             f"machine it runs on slot {slot.name}'s {slot.gpus} device(s), the global batch kept "
+             "(hydra.launcher.gpus_per_job=G gives a job G GPUs; hydra/launcher=slurm spans nodes)")
+
+
 # -- one job (in a launcher's worker): train in a child process, on the claimed slot ---------------
 def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
     """Run one sweep job in a fresh process and record how it ended; never raises.
@@ -134,6 +151,7 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
                 cfg.trainer.devices = slot.gpus
                 if str(cfg.trainer.get("strategy", "auto")) in ("auto", "single_device"):
                     cfg.trainer.strategy = "ddp"
+        fit_to_slot(cfg, slot)
     elif slurm_job.in_slurm_job() and slurm_job.job_threads():  # the CPUs SLURM gave the job, not the node's
         env["OMP_NUM_THREADS"] = str(slurm_job.job_threads())
         job_info.update(threads=slurm_job.job_threads(), slurm_job=slurm_job.current_job_id())

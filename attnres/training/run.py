@@ -7,6 +7,7 @@ and a sweep job's own process calls it directly (`attnres.sweep.job`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from attnres.atomic import read_json
 from attnres.config import naming  # noqa: F401  (registers the run-folder resolver)
 from attnres.config.computation import computation, recorded_computation, refuse_other_computation
+from attnres.config.errors import ConfigError
 from attnres.config.moved import update_moved_targets
 from attnres.config.rules import validate_config
 from attnres.training.checkpoints import (
@@ -83,11 +85,22 @@ def finished_already(run_dir: Path, ckpt: str, max_steps: Any) -> dict | None:
     return summary
 
 
+def check_nodes(cfg: DictConfig) -> None:
+    """`trainer.num_nodes` > 1 needs the other nodes started by a cluster (SLURM's tasks, or
+    torchrun's): on one machine Lightning would wait for them forever."""
+    nodes = cfg.trainer.get("num_nodes") or 1
+    if isinstance(nodes, int) and nodes > 1 and not ({"SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"} & set(os.environ)):
+        raise ConfigError(f"trainer.num_nodes={nodes} needs a launcher that starts every node's processes "
+                          "(attnres-run -m hydra/launcher=slurm, or torchrun); on one machine pass trainer.num_nodes=1 "
+                          "(experiment=paper_*: gpus_per_job=<the GPUs here>)")
+
+
 def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
     """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
     with read_write(cfg):
         update_moved_targets(cfg)  # a config written before the runner was split names old paths
     validate_config(cfg)
+    check_nodes(cfg)
     if cfg.get("keep_freed_memory", True):
         keep_freed_memory()  # before the first large tensor
     if cfg.get("mode", "train") != "train":  # mode=eval | sample: a checkpoint, no training

@@ -8,7 +8,7 @@ import pytest
 
 from attnres.config.errors import ConfigError
 from attnres.sweep.slots import plan_slots
-from tests.helpers import metrics, run_cli
+from tests.helpers import metrics, one_line_error, run_cli
 
 
 def test_slots_count_gpus():
@@ -40,3 +40,25 @@ def test_a_job_of_two_ranks_keeps_the_global_batch(tmp_path):
     assert metrics(run)["status"] == "finished"
     log = (run / "train.log").read_text()
     assert "1 micro-batch(es) of 4 x 32 per device and step, 2 device(s)" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_job_asking_for_two_nodes_runs_on_its_slot_and_a_single_run_is_refused(tmp_path):
+    """experiment=paper_scaling asks for 2 nodes at its large sizes: on one machine a sweep job runs
+    on its slot (the global batch kept), and a single run is refused in one line, not left waiting
+    for a node that never comes."""
+    run = ["data=stdlib", "data.max_files=40", "data.block_size=32", "data.batch_size=4", "data.val_batches=1",
+           "data.tokens_per_step=256", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+           "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "trainer.max_steps=4",
+           "trainer.val_check_interval=1000", "trainer.devices=2", "+trainer.num_nodes=2"]
+    swept = run_cli("-m", "hydra.launcher.cpu_jobs=1", f"hydra.launcher.lock_dir={tmp_path}/locks", *run, "seed=0",
+                    "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=600)
+    assert swept.returncode == 0, swept.stderr[-3000:]
+    assert "trainer.devices=2 x trainer.num_nodes=2 asked, on one machine it runs on slot cpu0's 1 device(s)" in \
+        swept.stdout + swept.stderr
+    (job,) = [d.parent.parent for d in (tmp_path / "sweep").glob("*/.hydra/overrides.yaml")]
+    assert metrics(job)["status"] == "finished"
+    assert "2 micro-batch(es) of 4 x 32 per device and step, 1 device(s)" in (job / "train.log").read_text()
+    single = run_cli(*run, "hydra.run.dir=single", cwd=tmp_path, timeout=300)
+    assert one_line_error(single).startswith("attnres-run: error: trainer.num_nodes=2 needs a launcher")
+    assert not (tmp_path / "single").exists()  # a refused command leaves nothing behind
