@@ -371,7 +371,7 @@ def check_trainer(cfg: DictConfig) -> None:
                               "machine; use trainer.accelerator=cpu or trainer.accelerator=auto (or trainer=cpu)")
     devices = value_at(cfg, "trainer.devices")
     if devices is not ABSENT:
-        check_devices(devices, gpu)
+        check_devices(devices, gpu, per_job="gpus_per_job" in cfg)
     strategy = value_at(cfg, "trainer.strategy")
     if isinstance(strategy, str) and strategy != "auto":
         from pytorch_lightning.strategies import StrategyRegistry
@@ -387,7 +387,9 @@ def check_trainer(cfg: DictConfig) -> None:
                               "use trainer=ddp (gloo on the CPU) or trainer=auto")
 
 
-def check_devices(devices: Any, gpu: bool) -> None:
+def check_devices(devices: Any, gpu: bool, per_job: bool = False) -> None:
+    """`per_job`: the config sets its devices from a `gpus_per_job` key (experiment=paper_*), the
+    key to name in the fix."""
     fix = "set trainer.devices to a number of devices >= 1, or trainer.devices=auto"
     if devices == "auto":
         return
@@ -409,5 +411,6 @@ def check_devices(devices: Any, gpu: bool) -> None:
 
         have = torch.cuda.device_count()
         if have and count > have:
-            raise ConfigError(f"trainer.devices={count} but this machine has {have} GPU(s); "
-                              f"set trainer.devices={have} or fewer (or trainer.devices=auto)")
+            fix = (f"gpus_per_job={have} or fewer" if per_job
+                   else f"trainer.devices={have} or fewer (or trainer.devices=auto)")
+            raise ConfigError(f"trainer.devices={count} but this machine has {have} GPU(s); set {fix}")

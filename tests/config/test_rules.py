@@ -87,3 +87,16 @@ def test_validate_config_needs_no_hydra_node():
 def test_keep_freed_memory_is_a_boolean():
     with pytest.raises(ConfigError, match="keep_freed_memory=no is not a boolean"):
         validate_config(OmegaConf.create({"keep_freed_memory": "no"}))
+
+
+@pytest.mark.parametrize(("per_job", "fix"), [(False, "set trainer.devices=1 or fewer (or trainer.devices=auto)"),
+                                              (True, "set gpus_per_job=1 or fewer")])
+def test_more_gpus_than_the_machine_has_names_the_key_that_sets_them(monkeypatch, per_job, fix):
+    import torch
+
+    from attnres.config.rules import check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError) as err:
+        check_devices(8, gpu=True, per_job=per_job)  # experiment=paper_* sets trainer.devices from gpus_per_job
+    assert str(err.value) == f"trainer.devices=8 but this machine has 1 GPU(s); {fix}"
