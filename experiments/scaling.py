@@ -93,7 +93,8 @@ def analyse(sweep_dir: Path, metric: str = "val/loss", samples: int = 2000,
             rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Fit, multipliers and intervals of a sweep; writes scaling.md, .csv and .png into it.
     `rows` (of `collect_rows`, from any folders) replaces the sweep's own runs.
-    Returns summary (lines), baseline_fit, fits, geomean {strategy: x}, intervals."""
+    Returns summary (lines), baseline_fit, fits, geomean {strategy: x}, intervals, and multipliers
+    {(strategy, size): x or None}."""
     rows = collect_rows(sweep_dir) if rows is None else rows
     records = [r for r in (run_record(row, metric) for row in rows) if r]
     cells = cells_from_runs(records, metric)
@@ -159,7 +160,8 @@ def analyse(sweep_dir: Path, metric: str = "val/loss", samples: int = 2000,
         writer.writerow({**row, "ci_low": ci[0] if ci else "", "ci_high": ci[1] if ci else ""})
     atomic_write(out / "scaling.csv", lambda f: f.write(buffer.getvalue().encode()))
     _plot(out / "scaling.png", records, cells, fits, metric, " / ".join(summary))
-    return {"summary": summary, "baseline_fit": base_fit, "fits": fits, "geomean": geomean, "intervals": intervals}
+    return {"summary": summary, "baseline_fit": base_fit, "fits": fits, "geomean": geomean, "intervals": intervals,
+            "multipliers": found}
 
 
 def _plot(path: Path, records, cells, fits, metric: str, title: str) -> None:
