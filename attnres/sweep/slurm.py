@@ -99,9 +99,7 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
             order += indices
         configs = [planned[i][1] for i in order]
         try:
-            returns = wait_for_jobs(jobs, configs, sweep_dir, poll_s)
-            by_index = dict(zip(order, returns, strict=True))
-            return [by_index[i] for i in range(len(planned))]  # in the sweep's order
+            return wait_for_jobs(jobs, configs, sweep_dir, poll_s)  # in the order they end; None left out
         except KeyboardInterrupt:  # the jobs are the cluster's now: say how to follow them
             arrays = " ".join(sorted({job.job_id.split("_")[0] for job in jobs}))
             print(f"attnres-run: stopped waiting; the sweep's jobs keep running on the cluster (squeue -j {arrays}; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -17,6 +18,19 @@ from attnres.config.errors import ConfigError
 from attnres.training.faults import RunRefused
 
 log = logging.getLogger("attnres")
+
+
+def started_before(run_dir: Path) -> bool:
+    """Whether an earlier start of a run left a trace in `run_dir`: checkpoints/, an event file, or
+    a log (Hydra's, or a sweep job's train.log) holding an earlier start's "run folder:" line (this
+    start writes its own after `resume_checkpoint`)."""
+    if (run_dir / "checkpoints").is_dir() or any(run_dir.glob("events.out.tfevents.*")):
+        return True
+    for log_file in run_dir.glob("*.log"):
+        with contextlib.suppress(OSError):
+            if "] - run folder: " in log_file.read_text(errors="replace"):
+                return True
+    return False
 
 
 def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwrite: bool) -> str | None:
@@ -52,7 +66,7 @@ def resume_checkpoint(run_dir: Path, resume: bool, ckpt_path: str | None, overwr
                 f"resume=true but the finished run in {run_dir} has no checkpoints/last.ckpt to continue from; "
                 "pass overwrite=true to train it again, or name=<new name> for a new folder"
             )
-        if (run_dir / "checkpoints").is_dir() or any(run_dir.glob("events.out.tfevents.*")):  # an earlier start
+        if started_before(run_dir):
             log.warning(f"resume=true: {run_dir} has no checkpoint yet (stopped before its first one); "
                         "starting this run from scratch")
         else:  # a new job of a sweep run with resume=true: nothing to say but that it starts

@@ -60,15 +60,17 @@ def test_resume_on_a_new_folder_starts_quietly_and_on_a_stopped_start_says_so(tm
     before its first checkpoint (its events file written) is warned about."""
     import logging
 
-    new, stopped = tmp_path / "new", tmp_path / "stopped"
-    new.mkdir()
-    stopped.mkdir()
+    new, stopped, logged = tmp_path / "new", tmp_path / "stopped", tmp_path / "logged"
+    for folder in (new, stopped, logged):
+        folder.mkdir()
+    (new / "attnres.log").write_text("[2026-12-03 19:49:21,115][attnres.sweep.job][INFO] - job 0 on slot cpu0\n")
     (stopped / "events.out.tfevents.1.host.1.0").write_bytes(b"")
+    (logged / "attnres.log").write_text(f"[2026-12-03 19:49:24,564][attnres][INFO] - run folder: {logged}\n")
     with caplog.at_level(logging.INFO, logger="attnres"):
-        assert resume_checkpoint(new, resume=True, ckpt_path=None, overwrite=False) is None
-        assert resume_checkpoint(stopped, resume=True, ckpt_path=None, overwrite=False) is None
-    levels = {(r.levelname, "no checkpoint yet" in r.getMessage()) for r in caplog.records}
-    assert levels == {("INFO", False), ("WARNING", True)}, caplog.records
+        for folder in (new, stopped, logged):
+            assert resume_checkpoint(folder, resume=True, ckpt_path=None, overwrite=False) is None
+    said = [(r.levelname, "no checkpoint yet" in r.getMessage()) for r in caplog.records]
+    assert said == [("INFO", False), ("WARNING", True), ("WARNING", True)], caplog.records
 
 
 def test_a_checkpoint_of_another_model_or_none_is_refused_in_one_line(tmp_path):
