@@ -61,6 +61,9 @@ def run_transformer(config: AttnResConfig, transformer: Transformer, input_ids: 
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("attnres models take unpadded batches: an attention_mask with zeros is not supported; "
                          "pass prompts of one length (or one prompt at a time)")
+    if input_ids.shape[-1] == 0:
+        raise ValueError("an empty prompt (input_ids of 0 tokens): attnres models need at least one token to "
+                         "start from; give a non-empty prompt (a byte-level model can start from '\\n')")
     if use_cache is None:
         use_cache = getattr(config, "use_cache", True)
     if cache is None and use_cache:
@@ -143,6 +146,16 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.transformer.head = value
+
+    def generate(self, inputs: Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`GenerationMixin.generate`, with a clear refusal of an empty prompt (transformers itself
+        fails on one with an IndexError from deep inside)."""
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        if isinstance(prompt, Tensor) and prompt.ndim >= 1 and prompt.shape[-1] == 0:
+            raise ValueError("generate() got an empty prompt (input_ids of 0 tokens): attnres models need at least "
+                             "one token to start from; give a non-empty prompt (a byte-level model can start from "
+                             "'\\n')")
+        return super().generate(inputs, *args, **kwargs)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,

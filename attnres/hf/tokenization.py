@@ -46,13 +46,31 @@ def end_of_text(tok: Tokenizer) -> str | None:
     return next((t for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
 
 
+def is_byte_level(tok: Tokenizer) -> bool:
+    """Whether `tok` is `byte_tokenizer()`'s vocabulary: 256 tokens, id = byte value."""
+    chars = byte_characters()
+    return tok.get_vocab_size(with_added_tokens=True) == 256 and all(tok.token_to_id(c) == b for b, c in
+                                                                     ((0, chars[0]), (97, "a"), (255, chars[255])))
+
+
 def save_tokenizer(tok: Tokenizer, folder: str | Path, max_length: int) -> dict[str, Any]:
     """Write `tok` as a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) that
-    `AutoTokenizer.from_pretrained(folder)` loads; returns the special token ids it has."""
+    `AutoTokenizer.from_pretrained(folder)` loads; returns the special token ids it has.
+
+    Padding: a tokenizer with an end-of-text token pads with it; the byte-level one pads with byte 0
+    (`pad_token` "Ā", the character that stands for it, id 0), so `tokenizer(texts, padding=True)`
+    works as with any Hugging Face tokenizer. Its `split_special_tokens` is on, so a "Ā" in a text
+    is still the two bytes of its UTF-8 form: text keeps round-tripping byte for byte."""
     from transformers import PreTrainedTokenizerFast
 
     eot = end_of_text(tok)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length,
-                                   **({"eos_token": eot, "pad_token": eot} if eot else {}))
+    if eot:
+        special = {"eos_token": eot, "pad_token": eot}
+    elif is_byte_level(tok):
+        special = {"pad_token": byte_characters()[0], "split_special_tokens": True}
+    else:
+        special = {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, **special)
     fast.save_pretrained(str(folder))
-    return {"eos_token_id": tok.token_to_id(eot), "pad_token_id": tok.token_to_id(eot)} if eot else {}
+    ids = {"pad_token_id": tok.token_to_id(special["pad_token"])} if "pad_token" in special else {}
+    return {**ids, "eos_token_id": tok.token_to_id(eot)} if eot else ids

@@ -33,7 +33,7 @@ NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "
 #: the residual strategy's own keys: a baseline differs from its candidates in these only
 STRATEGY_KEYS = ("residual", "num_blocks")
 #: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed
-#: before it could say); "duplicate": the same run as another job of the sweep, not run again;
+#: before it could say, also while continuing a finished run: metrics.json "running"); "duplicate": the same run as another job of the sweep, not run again;
 #: under SLURM (slurm.py) a job that ended without saying how: "cancelled" (also before it ran),
 #: "preempted", "timed out", "lost" (a node failure, or no record of how it ended)
 STATUS_ORDER = ("finished", "failed", "interrupted", "cancelled", "preempted", "timed out", "lost", "unfinished",
@@ -114,7 +114,8 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
         row["is_baseline"] = row["residual"] == "standard"
         row["exact"], row["match"] = config_keys(cfg)
     metrics = read_json(run_dir / "metrics.json")
-    row["status"] = metrics.get("status") or "unfinished"
+    status = metrics.get("status")  # "running": continued and never ended (killed): its numbers are gone
+    row["status"] = status if status and status != "running" else "unfinished"
     for key in ("val/loss", "val/bpb", "val/accuracy"):
         row[key] = metrics.get("metrics", {}).get(key)
     peak = metrics.get("peak_memory_bytes")

@@ -10,8 +10,11 @@ byte data, the run's `tokenizer.json` for token data (none for the synthetic tas
 written beside OUT_DIR under a temporary name and renamed into place, so it is whole or absent.
 
 Refused in one line, exit status 2, with nothing written: a folder that is not a run, a run that
-is still running (its `.run.lock` is held), failed or never ended (no `metrics.json`), a run
-without the checkpoint asked for, a damaged checkpoint, and an existing OUT_DIR without `--overwrite`.
+is still running (its `.run.lock` is held), failed or never ended (no `metrics.json`, or one that
+still says "running": killed while it continued), a run without the checkpoint asked for, a damaged
+checkpoint or config, an existing OUT_DIR without `--overwrite`, and with it anything but an
+earlier export (`export_folder.py`); a disk that is full or read-only says so (nothing is lost).
+The numbers printed beside the checkpoint are the ones that describe it, or none.
 """
 
 from __future__ import annotations
@@ -21,16 +24,20 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from attnres.atomic import FILE_MODE, read_json
+from attnres.atomic import DISK_FULL, FILE_MODE, WRITE_ERRORS, read_json
 from attnres.config.errors import ConfigError
 from attnres.config.moved import update_moved_targets
+from attnres.training.export_folder import check_out, recover_leftovers
 
 PROG = "attnres-export"
 
@@ -58,21 +65,43 @@ def check_run(run_dir: Path, which: str) -> tuple[DictConfig, dict[str, Any], Pa
     if is_running(run_dir):
         raise ConfigError(f"{run_dir} is still running (another process holds {run_dir / '.run.lock'}); "
                           "export it once it has finished")
-    summary = read_json(run_dir / "metrics.json")
-    status = summary.get("status")
-    if status is None:
-        raise ConfigError(f"{run_dir} never ended (no metrics.json): it was killed or is starting; finish it "
-                          f"with attnres-run resume=true (in the same folder), then export it")
-    if status == "failed":
-        raise ConfigError(f"{run_dir} failed ({summary.get('error') or 'see its attnres.log'}); export a run that "
-                          "finished, or train it again (overwrite=true)")
+    summary = read_summary(run_dir)
     ckpt = run_dir / "checkpoints" / f"{which}.ckpt"
     if not ckpt.is_file():
         raise ConfigError(f"{run_dir} has no checkpoints/{which}.ckpt to export; "
                           + ("try --checkpoint best" if which == "last" else "try --checkpoint last"))
-    cfg = OmegaConf.load(saved)
+    try:
+        cfg = OmegaConf.load(saved)
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{saved} does not parse ({first}); the run's config is damaged: restore it "
+                          "(the run's attnres.log starts with its overrides), then export again") from err
+    if not isinstance(cfg, DictConfig) or not isinstance(cfg.get("model"), DictConfig):
+        raise ConfigError(f"{saved} holds no model section; the run's config is damaged: restore it, then export "
+                          "again")
     update_moved_targets(cfg)
     return cfg, summary, ckpt
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """The run's metrics.json, refused in one line unless it says the run ended (finished or interrupted)."""
+    path = run_dir / "metrics.json"
+    if not path.exists():
+        raise ConfigError(f"{run_dir} never ended (no metrics.json): it was killed or is starting; finish it "
+                          f"with attnres-run resume=true (in the same folder), then export it")
+    summary = read_json(path)
+    status = summary.get("status")
+    if not summary or not isinstance(status, str):
+        raise ConfigError(f"{path} is empty or damaged (no status); attnres-run resume=true in the same folder "
+                          "writes it again from the last checkpoint, then export it")
+    if status == "running":
+        raise ConfigError(f"{run_dir} did not end: it was continued from {summary.get('resumed_from')} and stopped "
+                          "without a word (killed?), so no metrics describe its checkpoints; finish it with "
+                          "attnres-run resume=true (the same command), then export it")
+    if status == "failed":
+        raise ConfigError(f"{run_dir} failed ({summary.get('error') or 'see its attnres.log'}); export a run that "
+                          "finished, or train it again (overwrite=true)")
+    return summary
 
 
 def model_spec(cfg: DictConfig, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -140,13 +169,17 @@ def prepare_export(cfg: DictConfig, ckpt: Path, tokenizer: str | None) -> tuple[
         raise ConfigError(f"checkpoint {ckpt} has no 'state_dict'; it was not written by attnres-run")
     transformer, residual = model_spec(cfg, state)
     config = AttnResConfig(transformer=transformer, residual=residual)
-    model = AttnResForCausalLM(config)
-    weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     try:
-        model.transformer.load_state_dict(weights, strict=True)
-    except RuntimeError as err:
-        raise ConfigError(f"checkpoint {ckpt} does not match the model its run's config describes "
-                          f"({str(err).splitlines()[0]}); export it from its own run folder") from err
+        model = AttnResForCausalLM(config)
+    except (TypeError, ValueError, ImportError, AttributeError) as err:
+        raise ConfigError(f"the model its run's config describes cannot be built ({err}); the run's "
+                          f".hydra/config.yaml was changed? export the run whose config wrote {ckpt}") from err
+    weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    problem = state_mismatch(model.transformer.state_dict(), weights)
+    if problem:
+        raise ConfigError(f"checkpoint {ckpt} does not match the model its run's config describes ({problem}); "
+                          "export it from its own run folder (was its .hydra/config.yaml changed?)")
+    model.transformer.load_state_dict(weights, strict=True)
     tok, source = tokenizer_of(cfg, tokenizer)
     if tok is not None and tok.get_vocab_size(with_added_tokens=True) > config.vocab_size:
         raise ConfigError(f"the tokenizer {source} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the "
@@ -155,7 +188,32 @@ def prepare_export(cfg: DictConfig, ckpt: Path, tokenizer: str | None) -> tuple[
     return model, tok, {
         "parameters": model.transformer.num_parameters(), "dtype": str(dtype).removeprefix("torch."),
         "residual": (residual or {}).get("_target_", "attnres.StandardResidual"), "tokenizer": source,
-        "step": loaded.get("global_step"), "vocab_size": config.vocab_size, "tied": bool(config.tie_word_embeddings)}
+        "step": loaded.get("global_step"), "vocab_size": config.vocab_size, "tied": bool(config.tie_word_embeddings),
+        "best_score": best_score(loaded)}
+
+
+def best_score(loaded: dict[str, Any]) -> tuple[str, float] | None:
+    """(the monitored metric, its best value) that the checkpoint's ModelCheckpoint records, if any."""
+    for key, state in (loaded.get("callbacks") or {}).items():
+        score = state.get("best_model_score") if isinstance(state, dict) and "ModelCheckpoint" in str(key) else None
+        if score is not None and state.get("monitor"):
+            return str(state["monitor"]), float(score)
+    return None
+
+
+def state_mismatch(expected: dict[str, Any], given: dict[str, Any], shown: int = 3) -> str:
+    """What differs between the model's state dict and the checkpoint's, naming the keys; "" when nothing."""
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    shapes = [f"{k} is {list(given[k].shape)} in the checkpoint, {list(expected[k].shape)} in the config"
+              for k in sorted(set(expected) & set(given)) if tuple(given[k].shape) != tuple(expected[k].shape)]
+    parts = ([f"{len(missing)} key(s) missing from the checkpoint: {names(missing)}"] if missing else []) \
+        + ([f"{len(unexpected)} key(s) the config has no place for: {names(unexpected)}"] if unexpected else []) \
+        + ([f"{len(shapes)} shape(s) differ: {'; '.join(shapes[:shown])}"] if shapes else [])
+    return "; ".join(parts)
 
 
 def write_export(model: Any, tok: Any, out: Path) -> None:
@@ -175,17 +233,16 @@ def write_export(model: Any, tok: Any, out: Path) -> None:
 
 
 def export(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False, checkpoint: str = "last",
-           tokenizer: str | None = None) -> dict[str, Any]:
+           tokenizer: str | None = None, say: Any = None) -> dict[str, Any]:
     """Export the run in `run_dir` to `out_dir`; returns what was written. Raises ConfigError (one
-    line) on a refusal, before anything is written."""
+    line) on a refusal, before anything is written. `say(line)` hears what was cleaned up of an
+    earlier export that was killed midway."""
     run_dir, out = Path(run_dir).expanduser(), Path(out_dir).expanduser()
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a folder; pass the run folder attnres-run wrote (outputs/<name>/<run>)")
-    if out.exists() and not (overwrite and out.is_dir()):
-        raise ConfigError(f"{out} exists; pass --overwrite to replace it, or another OUT_DIR" if out.is_dir()
-                          else f"{out} is a file; pass another OUT_DIR")
-    if out.resolve() == run_dir.resolve() or run_dir.resolve().is_relative_to(out.resolve()):
-        raise ConfigError(f"OUT_DIR {out} would replace the run itself; pass another OUT_DIR")
+    for line in recover_leftovers(out):
+        (say or print)(line)
+    check_out(out, run_dir, overwrite)
     cfg, summary, ckpt = check_run(run_dir, checkpoint)
     model, tok, info = prepare_export(cfg, ckpt, tokenizer)  # every refusal is before the first write
     made = [p for p in reversed(out.absolute().parents) if not p.exists()]  # folders above OUT_DIR, made here
@@ -199,6 +256,13 @@ def export(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False, ch
             os.replace(out, aside)
         os.replace(tmp, out)
         done = True
+    except Exception as err:  # noqa: BLE001 (safetensors reports a full disk as SafetensorError, not OSError)
+        err = write_failure(err, tmp)
+        what = "the disk is full" if err.errno in DISK_FULL else f"cannot write there ({err.strerror})"
+        kept = f"{out} is as it was" if out.exists() else f"{out} was not made"
+        fix = "free some space" if err.errno in DISK_FULL else "pass an OUT_DIR on a writable disk"
+        raise ConfigError(f"{what}{' writing ' + str(err.filename) if err.filename else ''}: nothing was exported "
+                          f"and nothing lost ({kept}); {fix}, then export again") from err
     finally:
         for leftover in (tmp, aside):
             with contextlib.suppress(FileNotFoundError):
@@ -207,7 +271,29 @@ def export(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False, ch
             with contextlib.suppress(OSError):
                 folder.rmdir()
     return {**info, "run": str(run_dir), "checkpoint": str(ckpt), "out": str(out), "status": summary.get("status"),
-            "metrics": summary.get("metrics") or {}}
+            "metrics": checkpoint_metrics(summary, info, checkpoint)}
+
+
+def write_failure(err: Exception, path: Path) -> OSError:
+    """`err` as the OSError of a write the disk refused (full, read-only, no permission); re-raises
+    anything else. safetensors' writer says "(os error 28)" in a SafetensorError."""
+    if isinstance(err, OSError):
+        if err.errno in WRITE_ERRORS:
+            return err
+        raise err
+    code = re.search(r"os error (\d+)", str(err))
+    if code and int(code.group(1)) in WRITE_ERRORS:
+        return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
+    raise err
+
+
+def checkpoint_metrics(summary: dict[str, Any], info: dict[str, Any], which: str) -> dict[str, Any]:
+    """The validation numbers that describe the exported checkpoint: metrics.json's when it was written
+    at the checkpoint's step, the best score the checkpoint records for `best`, else none."""
+    if which == "last" and summary.get("steps") == info.get("step"):
+        return summary.get("metrics") or {}
+    best = info.get("best_score")
+    return {f"{best[0]} (best)": best[1]} if which == "best" and best else {}
 
 
 def describe(info: dict[str, Any]) -> str:
@@ -237,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         info = export(args.run_dir, args.out_dir, overwrite=args.overwrite, checkpoint=args.checkpoint,
-                      tokenizer=args.tokenizer)
+                      tokenizer=args.tokenizer, say=lambda line: print(f"{PROG}: {line}", file=sys.stderr))
     except ConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)

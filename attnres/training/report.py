@@ -19,7 +19,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from attnres.atomic import DISK_FULL, WRITE_ERRORS, write_json
+from attnres.atomic import DISK_FULL, WRITE_ERRORS, read_json, write_json
 from attnres.config.errors import ConfigError
 from attnres.training.checkpoints import describe_checkpoint
 from attnres.training.faults import Interrupted, RunEnded
@@ -62,6 +62,21 @@ def write_summary(
     }
     write_json(run_dir / "metrics.json", summary)
     return summary
+
+
+def mark_running(run_dir: Path, ckpt: str | None) -> bool:
+    """A run that starts again over the record of an earlier end (`resume=true`, `ckpt_path=` on its
+    own folder) marks metrics.json "running" until it ends: its old numbers describe a checkpoint
+    that training is about to replace, and a run killed from here on must not read as "finished"
+    (to `attnres-export`, sweep summaries, verdicts, `resume=true`'s "already finished"). The
+    previous status and step stay, named as such. Returns whether there was a record to mark."""
+    path = run_dir / "metrics.json"
+    if not path.exists():
+        return False
+    previous = read_json(path)
+    write_json(path, {"status": "running", "resumed_from": ckpt, "previous_status": previous.get("status"),
+                      "previous_steps": previous.get("steps")})
+    return True
 
 
 def throughput(module: Any) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from attnres.training.faults import (
     RunLock,
     clean_stale_tmp,
     clear_previous_run,
+    secondary_rank,
     stop_signals,
 )
 from attnres.training.lit import LitLanguageModel
@@ -50,6 +51,7 @@ from attnres.training.report import (
     end_block,
     end_interrupted,
     end_nonfinite,
+    mark_running,
     report,
     share_log_file,
     write_summary,
@@ -153,6 +155,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
             plugins=[AtomicCheckpointIO()],
         )
 
+        if not secondary_rank():  # from here the checkpoints change: the old record describes none of them
+            mark_running(run_dir, ckpt)
         start = time.perf_counter()
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
