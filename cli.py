@@ -18,9 +18,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
 from attnres.config.command import check_command_line
-from attnres.config.errors import user_errors
+from attnres.config.errors import ConfigError, user_errors
+from attnres.config.selectors import explain
 from attnres.sweep import job, plan
 from attnres.training.report import run_outcome
 from attnres.training.run import train
@@ -56,7 +58,12 @@ def job_config(overrides: list[str]) -> str:
         with open_dict(cfg), read_write(cfg.hydra):
             cfg.hydra.runtime.output_dir = str(cfg.hydra.run.dir)  # what Hydra sets when the run starts
         HydraConfig.instance().set_config(cfg)
-        job = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            job = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as err:  # a broken ${...}: one line, as a run gets it
+            where = err.full_key or "a key"
+            raise ConfigError(explain(cfg, err) or f"{where}: {str(err).splitlines()[0]}; fix that ${{...}} "
+                              "reference") from err
     finally:
         GlobalHydra.instance().clear()
     job.pop("hydra")
@@ -69,7 +76,8 @@ def main() -> None:
     with user_errors():
         check_command_line(sys.argv[1:], CONF_DIR)
     if sys.argv[1:3] == ["--cfg", "job"] and not any(a.startswith(("-", "hydra.")) for a in sys.argv[3:]):
-        print(job_config(sys.argv[3:]), end="")
+        with user_errors():
+            print(job_config(sys.argv[3:]), end="")
         return
     _hydra_main()
     sys.exit(plan.exit_status())  # non-zero when a sweep just ran and some of its jobs did not finish

@@ -136,3 +136,14 @@ class FillDiskAtSweepEnd:
         if name.startswith("on_"):
             return lambda *args, **kwargs: None
         raise AttributeError(name)
+
+
+class FillDiskAtExit(pl.Callback):
+    """`+callbacks.fill._target_=faultinject.FillDiskAtExit +callbacks.fill.path=...`: when the training
+    process exits (after its metrics.json and end block), fill the disk that holds `path`, as
+    another program could while the sweep around the job records how it ended."""
+
+    def __init__(self, path: str) -> None:
+        import atexit
+
+        atexit.register(FillDiskAtSweepEnd(path).on_multirun_end)

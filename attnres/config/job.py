@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from attnres.config import naming  # noqa: F401  (registers the resolver that hydra.run.dir uses)
+from attnres.config import naming, selectors  # noqa: F401  (naming registers the resolver hydra.run.dir uses)
 from attnres.config.computation import computation, differences, recorded_computation, refuse_other_computation
 from attnres.config.errors import ConfigError
 from attnres.config.rules import ABSENT, target_of, validate_config, value_at
@@ -301,8 +301,8 @@ def resolve_job(cfg: DictConfig) -> None:
         raise  # user_errors says which key needs a value
     except OmegaConfBaseException as err:
         where = err.full_key or "a key"
-        raise ConfigError(f"{where}: {err.msg.splitlines()[0]}; fix or remove that ${{...}} reference, "
-                          "or keep the key it points to") from err
+        raise ConfigError(selectors.explain(cfg, err) or f"{where}: {err.msg.splitlines()[0]}; fix or remove that "
+                          "${...} reference, or keep the key it points to") from err
 
 
 def check_parts(cfg: DictConfig) -> None:

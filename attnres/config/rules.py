@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from attnres.config import selectors
 from attnres.config.errors import ConfigError
 from attnres.functional import KERNELS
 
@@ -28,7 +29,8 @@ def value_at(cfg: DictConfig, key: str) -> Any:
     try:
         return OmegaConf.select(cfg, key, default=ABSENT, throw_on_missing=False)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"{key}: {err.msg.splitlines()[0]}; fix that ${{...}} reference") from err
+        raise ConfigError(selectors.explain(cfg, err) or f"{key}: {err.msg.splitlines()[0]}; fix that ${{...}} "
+                          "reference") from err
 
 
 def target_of(cfg: DictConfig, section: str) -> str:

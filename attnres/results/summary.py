@@ -33,7 +33,8 @@ NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "
 #: the residual strategy's own keys: a baseline differs from its candidates in these only
 STRATEGY_KEYS = ("residual", "num_blocks")
 #: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed
-#: before it could say, also while continuing a finished run: metrics.json "running"); "duplicate": the same run as another job of the sweep, not run again;
+#: before it could say; also killed while continuing a finished run: metrics.json "running");
+#: "duplicate": the same run as another job of the sweep, not run again;
 #: under SLURM (slurm.py) a job that ended without saying how: "cancelled" (also before it ran),
 #: "preempted", "timed out", "lost" (a node failure, or no record of how it ended)
 STATUS_ORDER = ("finished", "failed", "interrupted", "cancelled", "preempted", "timed out", "lost", "unfinished",

@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from attnres.atomic import read_json, write_json
+from attnres.atomic import WRITE_ERRORS, read_json, write_json
 from attnres.sweep import slots, slurm_job, stopping
 from attnres.sweep.plan import folder_key, read_status, sweep_jobs
 from attnres.sweep.slots import (
@@ -193,9 +193,15 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
             _end_of_rank(proc, run_dir, rank, death)
             if rank > 0:
                 return
-        _record_end(proc, run_dir, job_info, end - start, stopping.requested(stop_file)[0])
-        write_json(run_dir / "slot.json", {"slot": job_info["slot"], "device": job_info["device"], "pid": proc.pid,
-                                           "worker_pid": os.getpid(), "start": start, "end": end})
+        try:  # a disk that fills as the job ends loses these notes only: the run's own files are whole
+            _record_end(proc, run_dir, job_info, end - start, stopping.requested(stop_file)[0])
+            write_json(run_dir / "slot.json", {"slot": job_info["slot"], "device": job_info["device"],
+                                               "pid": proc.pid, "worker_pid": os.getpid(), "start": start, "end": end})
+        except OSError as err:
+            if err.errno not in WRITE_ERRORS:
+                raise
+            log.warning(f"could not record how {run_dir.name} ended ({err.strerror} writing {err.filename}); "
+                        "its run's own files are as the job left them")
     finally:
         slots.current_job = None
         if slot is not None and slots.claimed:
