@@ -1,4 +1,5 @@
-"""Residual strategies: one small module each behind `ResidualStrategy`."""
+"""Residual strategies: one small module each behind `ResidualStrategy`; kimi.py maps the released
+Kimi K3 checkpoint's AttnRes parameters in and out of `BlockAttentionResidual`."""
 
 from attnres.residual.base import DepthAttentionResidual, DepthRecord, ResidualStrategy
 from attnres.residual.block import BlockAttentionResidual

@@ -9,6 +9,11 @@ sublayer (i >= 2) also over the partial sum b_n^{i-1} of the block's first i-1 o
 The output aggregates over all N + 1 blocks.
 Memory O(N * D) per token; N = L is Full AttnRes exactly.
 
+The released Kimi K3 (conf/residual/kimi.yaml, `attnres.residual.kimi`) counts its block size in
+decoder layers (`block_size_layers`, its `attn_res_block_size`: blocks of 2k sublayers, the last
+one shorter where k does not divide n_layer) and draws its pseudo-queries from normal(0, 0.02)
+(`query_init_std`); both are options here, off by default (the paper's zero queries).
+
 Where this departs from an often-shared sketch of the same API, it follows the paper:
 a block's empty partial sum is left out rather than attended to as a zero source, and
 the output is a final depth attention over all blocks, not the last block's partial sum.
@@ -82,6 +87,20 @@ def resolve_block_sizes(
     return (num_layers // num_blocks,) * num_blocks
 
 
+def layer_block_sizes(num_layers: int, block_size_layers: int) -> tuple[int, ...]:
+    """Sublayers per block for blocks of `block_size_layers` decoder layers (2 sublayers each),
+    as Kimi K3 counts them (`attn_res_block_size`): blocks start at layers 0, k, 2k, ..., the
+    last one partial. K3's 93 layers at k = 12: (24,) * 7 + (18,). One-line ValueError otherwise."""
+    if not _is_count(block_size_layers) or block_size_layers < 1:
+        raise ValueError(f"block_size_layers={block_size_layers!r} must be a positive int (decoder layers per block, "
+                         "2 sublayers each)")
+    if num_layers % 2:
+        raise ValueError(f"block_size_layers counts decoder layers (attention + MLP), so num_layers must be even, "
+                         f"got {num_layers} sublayers; give block_sizes=[...] in sublayers instead")
+    full, rest = divmod(num_layers // 2, block_size_layers)
+    return (2 * block_size_layers,) * full + ((2 * rest,) if rest else ())
+
+
 def ahead_blocks(sizes: Sequence[int]) -> tuple[bool, ...]:
     """For each block, whether the fast path runs the next block's phase 1 with its own (one
     pass over the completed blocks for both; the next block then merges only the block
@@ -111,8 +130,15 @@ class BlockAttentionResidual(DepthAttentionResidual):
     (`num_layers % num_blocks != 0` is a ValueError naming the valid values), or
     `block_sizes`, the sublayers per block (positive, summing to `num_layers`; a shorter
     last block, say). With `block_sizes`, `num_blocks` may be left out; given, it must
-    equal `len(block_sizes)`. `self.block_sizes` is the tuple either way, `self.block_size`
-    the common S of equal blocks (None for unequal ones).
+    equal `len(block_sizes)`. `block_size_layers=k` gives blocks of k decoder layers (2k
+    sublayers; Kimi K3's `attn_res_block_size`), the last one shorter where k does not divide
+    `num_layers / 2`; it excludes `block_sizes` and an explicit `num_blocks`. `self.block_sizes`
+    is the tuple either way, `self.block_size` the common S of equal blocks (None for unequal ones).
+
+    `query_init_std`: 0 (default) starts every pseudo-query at zero, as the paper prescribes;
+    s > 0 draws them from normal(0, s), as K3 does (`initializer_range` 0.02). It draws random
+    numbers, so the model's other weights must be drawn first (`attnres.Transformer` builds its
+    residual last).
 
     The ablation options (`query`, `mixing`, `scoring`, `key_norm`, `heads`) are those of
     `DepthAttentionResidual` (`attnres.residual.ablations`); an input-dependent query reads
@@ -137,11 +163,20 @@ class BlockAttentionResidual(DepthAttentionResidual):
         key_norm: bool = True,
         heads: int = 1,
         window: None = None,
+        block_size_layers: int | None = None,
+        query_init_std: float = 0.0,
     ) -> None:
         if window is not None:
             raise ValueError(f"window={window!r} is a Full AttnRes option (a sliding window over its per-sublayer "
                              "sources); Block AttnRes bounds its sources by num_blocks: use residual=full with "
                              "residual.window, or drop window")
+        if block_size_layers is not None:
+            if block_sizes is not None or (num_blocks is not DEFAULT_NUM_BLOCKS and num_blocks is not None):
+                raise ValueError(f"block_size_layers={block_size_layers!r} sets the blocks itself; drop num_blocks "
+                                 "and block_sizes, or drop block_size_layers")
+            block_sizes = layer_block_sizes(num_layers, block_size_layers)
+        if not (isinstance(query_init_std, (int, float)) and query_init_std >= 0):
+            raise ValueError(f"query_init_std={query_init_std!r} must be a number >= 0 (0: zero-initialised queries)")
         sizes = resolve_block_sizes(num_layers, num_blocks, block_sizes)
         super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel, query=query,
                          mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads, max_sources=len(sizes) + 1)
@@ -151,6 +186,15 @@ class BlockAttentionResidual(DepthAttentionResidual):
         # the first sublayer of each block: where the partial sum is closed into a completed block
         self._starts = tuple(sum(sizes[:n]) for n in range(len(sizes)))
         self._ahead = ahead_blocks(sizes)
+        self.block_size_layers, self.query_init_std = block_size_layers, float(query_init_std)
+        if self.query_init_std:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.query_init_std and self.pseudo_query is not None:
+            with torch.no_grad():
+                self.pseudo_query.normal_(0.0, self.query_init_std)
 
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         kernel = self.fast_kernel(embedding)
@@ -225,6 +269,9 @@ class BlockAttentionResidual(DepthAttentionResidual):
 
     def extra_repr(self) -> str:
         blocks = f"num_blocks={self.num_blocks}"
+        if self.block_size_layers is not None:
+            blocks += f", block_size_layers={self.block_size_layers}"
         if self.block_size is None:
             blocks += f", block_sizes={list(self.block_sizes)}"
-        return f"{blocks}, " + super().extra_repr()
+        init = f", query_init_std={self.query_init_std}" if self.query_init_std else ""
+        return f"{blocks}, " + super().extra_repr() + init
