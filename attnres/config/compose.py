@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import itertools
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ def check_jobs(config_name: str, overrides: list[Any], multirun: bool, running: 
     else:
         jobs = [[o.input_line for o in task]]
     first = _compose(config_name, [*hydra_overrides, *jobs[0]])
+    if not multirun and running:
+        note_builtin_sweep(first, jobs[0])
     groups = set(first.hydra.runtime.choices)
     parsed: dict[str, Any] = {}
 
@@ -113,6 +116,27 @@ def check_jobs(config_name: str, overrides: list[Any], multirun: bool, running: 
             combo["run_dir"] = check_job(combo["cfg"], multirun, check_folder=index == 0 or not multirun)
         elif index < MAX_JOBS_CHECKED:  # another job of a sweep: its values (a large sweep: their types only)
             check_values(combo, values)
+
+
+def note_builtin_sweep(cfg: DictConfig, given: Sequence[str]) -> None:
+    """A single run of a config whose sweep is built in (`hydra.sweeper.params`: experiment=paper_*)
+    says, on stderr, that it trains one job of that sweep and that -m runs them all; nothing when
+    the command line picks every swept key itself."""
+    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None) or {}
+    open_keys = [str(k) for k in params if not any(_sets(line, str(k)) for line in given)]
+    if not open_keys:
+        return
+    counts = [len(str(params[k]).split(",")) for k in params]
+    jobs = 1
+    for count in counts:
+        jobs *= count
+    chosen = ", ".join(f"{k}={cfg.hydra.runtime.choices.get(k) or OmegaConf.select(cfg, k, default='?')}"
+                       for k in open_keys)
+    experiment = cfg.hydra.runtime.choices.get("experiment")
+    what = f"experiment={experiment}" if experiment else "this config"
+    print(f"attnres-run: note: {what} is a sweep of {jobs} jobs over {', '.join(map(str, params))}; without -m this "
+          f"trains one of them ({chosen}); add -m to run them all, or set {open_keys[0]}=... to pick one",
+          file=sys.stderr, flush=True)
 
 
 def first_values(overrides: Sequence[Any]) -> list[str]:

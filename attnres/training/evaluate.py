@@ -23,6 +23,7 @@ import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError
@@ -56,8 +57,12 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Path]:
                           "(or a folder written by attnres-export)")
     trained = checkpoint_config(ckpt)
     if trained is not None:  # its own shape and strategy; this command's data
+        positions = trained_positions(trained)
         with open_dict(cfg):
             cfg.model = trained.model
+            if positions is not None:  # as trained: `${data.block_size}` would read this command's data
+                cfg.model.block_size = positions
+                check_positions(positions, int(cfg.data.block_size), ckpt)
             cfg.residual = trained.residual
             if "num_blocks" in trained:
                 cfg.num_blocks = trained.num_blocks
@@ -80,24 +85,50 @@ def exported_model(folder: Path) -> Any:
     """The `attnres.Transformer` of a folder written by attnres-export (`attnres.hf`, the hf extra)."""
     model_type = read_json(folder / "config.json").get("model_type")
     if model_type != "attnres":
-        raise ConfigError(f"ckpt_path={folder} holds a {model_type or 'non-'} Hugging Face model, not an attnres one; "
+        kind = f"a {model_type} Hugging Face model" if model_type else "no Hugging Face model type (config.json)"
+        raise ConfigError(f"ckpt_path={folder} holds {kind}, not an attnres one; "
                           "pass a folder written by attnres-export, or a .ckpt")
     try:
         from attnres.hf import AttnResForCausalLM
     except ImportError as err:
         raise ConfigError(f"ckpt_path={folder} is a Hugging Face model folder; reading it needs transformers: "
                           "pip install 'attnres[hf]'") from err
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # "Loading weights" of a model this size says nothing
     try:
         return AttnResForCausalLM.from_pretrained(str(folder)).transformer
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"ckpt_path={folder} cannot be loaded ({err}); export the run again with attnres-export") \
-            from err
+    except Exception as err:  # noqa: BLE001 (safetensors' SafetensorError is neither OSError nor ValueError)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        damaged = "SafetensorError" in type(err).__name__ or "safetensors" in first.lower()
+        what = f"{folder / 'model.safetensors'} is damaged ({first})" if damaged else \
+            f"ckpt_path={folder} cannot be loaded ({type(err).__name__}: {first})"
+        raise ConfigError(f"{what}; export the run again with attnres-export") from err
+
+
+def trained_positions(trained: DictConfig) -> int | None:
+    """The sequence length the model of a run's saved config was built for (`model.block_size`,
+    resolved in that config), or None when it does not say."""
+    try:
+        value = OmegaConf.select(trained, "model.block_size", default=None)
+    except OmegaConfBaseException:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_positions(trained: int, asked: int, source: Path) -> None:
+    """A checkpoint and an exported folder alike are evaluated on at most the positions they were
+    trained on: past them the rotary positions are ones the model never saw."""
+    if asked > trained:
+        raise ConfigError(f"data.block_size={asked} is longer than the {trained} positions the model in {source} was "
+                          f"trained on; evaluate it at data.block_size={trained} or less")
 
 
 def build_exported(cfg: DictConfig, folder: Path) -> tuple[Any, Any, Path]:
     """`build` for a folder written by attnres-export: its model and weights, this command's data."""
     model = exported_model(folder)
     log.info(f"model, residual strategy and weights from {folder} (attnres-export)")
+    check_positions(int(model.block_size), int(cfg.data.block_size), folder)
     datamodule = instantiate(cfg.data)
     if model.vocab_size != datamodule.vocab_size:
         raise ConfigError(f"the model in {folder} has a vocabulary of {model.vocab_size} tokens but the data has "

@@ -172,8 +172,9 @@ def end_nonfinite(err: BaseException, trainer: pl.Trainer, module: Any, run_dir:
     if trainer.is_global_zero:
         write_summary(run_dir, trainer, module, elapsed_s, {**info, "error": str(err), "last_checkpoint": where},
                       status="failed")
-    return RunEnded(f"error: {err}; the last good checkpoint is {where}; "
-                    "see nonfinite.policy (stop, skip, rollback) in docs/runs.md", 1)
+    kept = f"the last good checkpoint is {where}" if last.is_file() else \
+        "there is no good checkpoint yet (it stopped before the first one)"
+    return RunEnded(f"error: {err}; {kept}; see nonfinite.policy (stop, skip, rollback) in docs/runs.md", 1)
 
 
 def write_error(err: OSError, run_dir: Path | None = None) -> str:

@@ -67,6 +67,9 @@ warnings.filterwarnings("ignore", message=r".*`training_step` returned `None`")
 # where SLURM is installed Lightning advises running every process under `srun`; attnres's SLURM
 # launcher places its jobs itself (attnres.sweep.slurm), so the advice is wrong for its runs
 warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system")
+# the validation numbers are summed over ranks by hand (lit.py, on_validation_epoch_end) before they
+# are logged, so Lightning's advice to let it average them again (sync_dist=True) does not apply
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
 # Lightning's start and stop lines ("GPU available: ...", "`Trainer.fit` stopped: ...") say nothing
 # the run's own start and end lines do not say better
 _QUIET = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.fit` stopped")

@@ -170,7 +170,7 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
         super().__init__(experiment_name=experiment_name or sweep or name,
                          run_name=run_name or (Path(run_dir).name if run_dir else None),
                          tracking_uri=self._UNOPENED, tags=run_tags, **kwargs)
-        self._tracking_uri, self._mlflow_client = tracking_uri, None
+        self._tracking_uri, self._mlflow_client, self._continues = tracking_uri, None, None
         self.tracked = dict(hparams or {})
 
     @property
@@ -190,7 +190,29 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
                 else:
                     self._experiment_id = self._mlflow_client.create_experiment(
                         self._experiment_name, artifact_location=self._artifact_location)
-            return LightningMLFlowLogger.experiment.fget(self)
+            if self._run_id is None and (self.tags or {}).get("attnres_run_dir"):
+                self.tags.update(self._earlier_runs(self.tags["attnres_run_dir"]))
+            client = LightningMLFlowLogger.experiment.fget(self)
+            if self._continues:  # the earlier run points at the one that continues it
+                client.set_tag(self._continues, "attnres_continued_in", self._run_id)
+                self._continues = None
+            return client
+
+    def _earlier_runs(self, run_dir: str) -> dict[str, str]:
+        """The MLflow runs an earlier start of this run folder left: one still RUNNING was killed
+        (this process holds the folder's lock, so no live process logs to it) and is marked KILLED;
+        the new run is tagged with the newest of them (`attnres_continues`), which gets
+        `attnres_continued_in` once the new run exists."""
+        quote = "'" if "'" not in run_dir else '"'
+        earlier = self._mlflow_client.search_runs(
+            [self._experiment_id], filter_string=f"tags.attnres_run_dir = {quote}{run_dir}{quote}",
+            order_by=["attributes.start_time DESC"], max_results=50)
+        for run in earlier:
+            if run.info.status == "RUNNING":
+                self._mlflow_client.set_tag(run.info.run_id, "attnres_status", "killed")
+                self._mlflow_client.set_terminated(run.info.run_id, status="KILLED")
+        self._continues = earlier[0].info.run_id if earlier else None
+        return {"attnres_continues": self._continues} if earlier else {}
 
     @rank_zero_only
     def close(self, status: str) -> None:
