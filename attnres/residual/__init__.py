@@ -1,5 +1,4 @@
-"""Residual strategies: one small module each behind `ResidualStrategy`; kimi.py maps the released
-Kimi K3 checkpoint's AttnRes parameters in and out of `BlockAttentionResidual`."""
+"""Residual strategies: one small module each behind `ResidualStrategy`."""
 
 from attnres.residual.base import DepthAttentionResidual, DepthRecord, ResidualStrategy
 from attnres.residual.block import BlockAttentionResidual

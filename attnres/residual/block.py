@@ -9,10 +9,11 @@ sublayer (i >= 2) also over the partial sum b_n^{i-1} of the block's first i-1 o
 The output aggregates over all N + 1 blocks.
 Memory O(N * D) per token; N = L is Full AttnRes exactly.
 
-The released Kimi K3 (conf/residual/kimi.yaml, `attnres.residual.kimi`) counts its block size in
-decoder layers (`block_size_layers`, its `attn_res_block_size`: blocks of 2k sublayers, the last
-one shorter where k does not divide n_layer) and draws its pseudo-queries from normal(0, 0.02)
-(`query_init_std`); both are options here, off by default (the paper's zero queries).
+The released Kimi K3 (conf/residual/kimi.yaml) counts its block size in decoder layers
+(`block_size_layers`, its `attn_res_block_size`: blocks of 2k sublayers, the last one shorter
+where k does not divide n_layer) and draws its pseudo-queries from normal(0, 0.02)
+(`query_init_std`); both are options, off by default (the paper's zero queries). Its checkpoint's
+AttnRes tensors map in and out at the end of this module (`load_kimi_attn_res`).
 
 Where this departs from an often-shared sketch of the same API, it follows the paper:
 a block's empty partial sum is left out rather than attended to as a zero source, and
@@ -32,7 +33,7 @@ the last phase-1 pass and merges only the blocks completed after it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -275,3 +276,109 @@ class BlockAttentionResidual(DepthAttentionResidual):
             blocks += f", block_sizes={list(self.block_sizes)}"
         init = f", query_init_std={self.query_init_std}" if self.query_init_std else ""
         return f"{blocks}, " + super().extra_repr() + init
+
+
+# -- Kimi K3's AttnRes parameters in and out ---------------------------------------------------------
+# The released K3 names site 2 i (decoder layer i, before attention)
+# `model.layers.{i}.self_attention_res_{proj,norm}.weight`, site 2 i + 1 (before the MLP)
+# `model.layers.{i}.mlp_res_{proj,norm}.weight`, and site L (before the final norm)
+# `model.output_attn_res_{proj,norm}.weight`, optionally under `language_model.`; projections (1, D),
+# norm weights (D,), stored in bf16. Its logit proj . (v * rsqrt(mean(v^2) + eps)) * norm_weight is
+# w . RMSNorm_g(v): a site's projection is row l of `pseudo_query`, its norm weight row l of
+# `key_norm_weight`, nothing transposed or rescaled.
+
+_K3_OUTPUT_PROJ = "output_attn_res_proj.weight"
+_K3_OUTPUT_NORM = "output_attn_res_norm.weight"
+_K3_SITES = ("self_attention", "mlp")  # a layer's two sites, in order: before attention, before the MLP
+KIMI_EPS = 1e-5  # K3's rms_norm_eps
+
+
+def kimi_prefix(state_dict: Mapping[str, Tensor]) -> str:
+    """The prefix in front of `layers.` and `output_attn_res_*` in a K3-format state dict:
+    "model." or "language_model.model." (any prefix ending in "model." is taken)."""
+    found = sorted({k[: -len(_K3_OUTPUT_PROJ)] for k in state_dict if k.endswith("model." + _K3_OUTPUT_PROJ)})
+    if len(found) != 1:
+        what = "no key" if not found else f"{len(found)} keys ({', '.join(p + _K3_OUTPUT_PROJ for p in found)})"
+        raise ValueError(f"a K3-format state dict has one '...model.{_K3_OUTPUT_PROJ}'; found {what}")
+    return found[0]
+
+
+def kimi_names(num_layers: int, prefix: str = "model.") -> list[tuple[str, str]]:
+    """(projection key, norm key) of each of the `num_layers + 1` sites, in site order."""
+    if num_layers % 2:
+        raise ValueError(f"K3 has two sites per decoder layer; num_layers={num_layers} sublayers is odd")
+    names = []
+    for layer in range(num_layers // 2):
+        for site in _K3_SITES:
+            base = f"{prefix}layers.{layer}.{site}_res_"
+            names.append((base + "proj.weight", base + "norm.weight"))
+    names.append((prefix + _K3_OUTPUT_PROJ, prefix + _K3_OUTPUT_NORM))
+    return names
+
+
+def kimi_num_layers(state_dict: Mapping[str, Tensor]) -> tuple[int, int]:
+    """(sublayers L, width D) of the AttnRes tensors of a K3-format state dict."""
+    prefix = kimi_prefix(state_dict)
+    layers = {int(k[len(prefix) + 7:].split(".", 1)[0]) for k in state_dict
+              if k.startswith(prefix + "layers.") and k.endswith("_res_proj.weight")}
+    if layers != set(range(len(layers))):
+        raise ValueError(f"the K3 state dict's layers with AttnRes tensors are not 0 .. n-1: {sorted(layers)}")
+    return 2 * len(layers), state_dict[prefix + _K3_OUTPUT_PROJ].shape[-1]
+
+
+def _check(residual: BlockAttentionResidual) -> None:
+    if not isinstance(residual, BlockAttentionResidual):
+        raise TypeError(f"K3's AttnRes is Block AttnRes; got {type(residual).__name__}")
+    if residual.pseudo_query is None or residual.key_norm_weight is None:
+        raise ValueError("K3's AttnRes has a static pseudo-query and a key-norm gain per site: build the strategy "
+                         "with query='static', mixing='attention', key_norm=True and key_norm_gain=True")
+
+
+@torch.no_grad()
+def load_kimi_attn_res(residual: BlockAttentionResidual, state_dict: Mapping[str, Tensor]) -> list[str]:
+    """Copy a K3-format state dict's AttnRes tensors into `residual`'s `pseudo_query` and
+    `key_norm_weight` rows (cast to their dtype). All 2 (L + 1) tensors must be there with the
+    right shapes, and the state dict must have exactly L / 2 layers of them. Returns the keys read."""
+    _check(residual)
+    L, D = residual.num_layers, residual.d_model
+    layers, width = kimi_num_layers(state_dict)
+    if (layers, width) != (L, D):
+        raise ValueError(f"the K3 state dict has {layers // 2} layers ({layers} sublayers) of width {width}; the "
+                         f"strategy has {L} sublayers of width {D}")
+    names = kimi_names(L, kimi_prefix(state_dict))
+    missing = [k for pair in names for k in pair if k not in state_dict]
+    if missing:
+        raise KeyError(f"the K3 state dict lacks {len(missing)} AttnRes tensors, e.g. {missing[0]}")
+    for row, (proj, norm) in enumerate(names):
+        for key, shape in ((proj, (1, D)), (norm, (D,))):
+            if tuple(state_dict[key].shape) != shape:
+                raise ValueError(f"{key} has shape {tuple(state_dict[key].shape)}, expected {shape}")
+        residual.pseudo_query[row].copy_(state_dict[proj][0])
+        residual.key_norm_weight[row].copy_(state_dict[norm])
+    return [k for pair in names for k in pair]
+
+
+@torch.no_grad()
+def kimi_attn_res_state_dict(residual: BlockAttentionResidual, prefix: str = "model.",
+                             dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """`residual`'s pseudo-queries and key-norm gains under K3's names (`prefix` "model." or
+    "language_model.model."), projections (1, D) and norm weights (D,), in `dtype` (default
+    theirs; K3 stores bfloat16). New tensors, detached."""
+    _check(residual)
+    dtype = dtype or residual.pseudo_query.dtype
+    out = {}
+    for row, (proj, norm) in enumerate(kimi_names(residual.num_layers, prefix)):
+        out[proj] = residual.pseudo_query[row].detach().to(dtype).clone().unsqueeze(0)
+        out[norm] = residual.key_norm_weight[row].detach().to(dtype).clone()
+    return out
+
+
+def kimi_block_attention_residual(state_dict: Mapping[str, Tensor], attn_res_block_size: int,
+                                  **options) -> BlockAttentionResidual:
+    """The Block AttnRes a K3-format state dict and its config's `attn_res_block_size` (decoder
+    layers per block) describe, with its parameters loaded: L and D from the tensors, eps 1e-5
+    (K3's `rms_norm_eps`) unless `options` say otherwise, on the CPU in float32."""
+    L, D = kimi_num_layers(state_dict)
+    residual = BlockAttentionResidual(D, L, block_size_layers=attn_res_block_size, **{"eps": KIMI_EPS, **options})
+    load_kimi_attn_res(residual, state_dict)
+    return residual

@@ -1,7 +1,7 @@
 """The released Kimi K3's layout, numerics and parameters in attnres terms: `block_size_layers`
 gives K3's schedule (sources per site, from the description in tests/kimi_reference.py), the
 `kimi` preset its eps and query init, every fast path its numerics site by site, and
-`attnres.residual.kimi` maps a K3-format state dict in and out."""
+the functions at the end of block.py map a K3-format state dict in and out."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 import attnres
 from attnres.ops import cpu_fused
-from attnres.residual.kimi import (
+from attnres.residual.block import (
     kimi_attn_res_state_dict,
     kimi_block_attention_residual,
     kimi_names,
