@@ -27,35 +27,9 @@ import attnres.hf  # noqa: E402, F401  (registers the Auto classes)
 from attnres.training.export import export, is_running  # noqa: E402
 from attnres.training.faults import RunLock  # noqa: E402
 from tests import helpers  # noqa: E402
+from tests.hf.shared import DATA, NEW, PROMPT, SAMPLE, STRATEGIES  # noqa: E402  (`runs`: tests/hf/conftest.py)
 
 pytestmark = pytest.mark.slow
-
-STRATEGIES = ["standard", "block", "full", "denseformer", "hc", "mhc"]
-PROMPT, NEW = "def", 24
-DATA = ["data.max_files=20", "data.block_size=128"]  # room for docs/huggingface.md's generate.py
-#: pseudo-queries at the model's learning rate, so that 10 steps move them well off zero
-_RUN = helpers.tiny(*DATA, "num_blocks=2", "optim.query_lr_scale=1.0", "callbacks=none", data="stdlib",
-                    steps=10, val_every=10, progress_bar=False)
-RUNS = {name: [*_RUN, f"residual={name}"] for name in STRATEGIES}
-SAMPLE = [*DATA, "data=stdlib", "trainer.accelerator=cpu", "mode=sample", "sample.temperature=0",
-          f"sample.prompt={PROMPT}", f"sample.max_new_tokens={NEW}"]
-
-
-def train_and_sample(root: Path) -> dict:
-    trained = helpers.run_concurrently(root, RUNS)
-    samples = {f"sample-{name}": [*SAMPLE, f"ckpt_path={root / name / 'checkpoints' / 'last.ckpt'}"]
-               for name in STRATEGIES if trained[name]["returncode"] == 0}
-    return {**trained, **helpers.run_concurrently(root, samples)}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """The six strategies, 10 steps each on a few stdlib files, and each one's greedy mode=sample."""
-    root, outcome = helpers.shared_once(tmp_path_factory, "hf-export-runs", train_and_sample)
-    for name, ran in outcome.items():
-        assert ran["returncode"] == 0, f"{name} failed:\n{ran['stderr'][-3000:]}"
-    return root
-
 
 def checkpoint_model(run: Path) -> torch.nn.Module:
     """The Transformer the runner builds for `run`, with its last checkpoint's weights."""
