@@ -45,3 +45,17 @@ def test_run_log_holds_the_error_of_a_failed_run(tmp_path):
     assert "run folder:" in log and "non-finite loss at step 2" in log
 
 
+
+
+def test_a_non_finite_loss_before_the_first_checkpoint_says_there_is_none(tmp_path):
+    """It said "the last good checkpoint is no checkpoint yet" (issue "Trust, round three", item 11)."""
+    from types import SimpleNamespace
+
+    from attnres.training.faults import NonFiniteLoss
+    from attnres.training.report import end_nonfinite
+
+    trainer = SimpleNamespace(is_global_zero=False)  # rank 0 writes metrics.json: not what is tested here
+    ended = end_nonfinite(NonFiniteLoss(2), trainer, None, tmp_path,
+                          tmp_path / "checkpoints" / "last.ckpt", {}, 0.0)
+    assert "there is no good checkpoint yet (it stopped before the first one)" in str(ended)
+    assert "is no checkpoint yet" not in str(ended) and ended.exit_code == 1

@@ -176,6 +176,31 @@ def test_two_runs_in_one_process_are_two_wandb_runs(tmp_path, monkeypatch):
     assert [r["config"]["residual"] for r in runs] == ["a", "b"] and runs[1]["summary"]["val/loss"] == 0.5
 
 
+@pytest.mark.slow
+def test_an_mlflow_run_killed_is_marked_and_tied_to_the_run_that_continues_it(tmp_path):
+    """Issue "Trust, round three", item 11: a SIGKILLed run stayed RUNNING for ever, and its
+    resume=true opened a second MLflow run that nothing linked to the first."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers import faultinject_env
+
+    common = [*TINY, "logger=mlflow", "trainer.val_check_interval=2", "trainer.max_steps=6", "hydra.run.dir=R"]
+    killed = run_cli(*common, "+callbacks.fault._target_=faultinject.KillAt", "+callbacks.fault.step=3",
+                     cwd=tmp_path, env={**OFFLINE, **faultinject_env()})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_cli(*common, "resume=true", cwd=tmp_path, env=OFFLINE)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "default"]
+    first, second = sorted(client.search_runs([experiment.experiment_id]), key=lambda r: r.info.start_time)
+    assert first.info.status == "KILLED" and first.data.tags["attnres_status"] == "killed"
+    assert second.info.status == "FINISHED" and second.data.tags["attnres_status"] == "finished"
+    assert second.data.tags["attnres_continues"] == first.info.run_id
+    assert first.data.tags["attnres_continued_in"] == second.info.run_id
+    assert first.data.tags["attnres_run_dir"] == second.data.tags["attnres_run_dir"] == str(tmp_path / "R")
+
+
 # -- CSV -------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_csv_run_writes_metrics_and_hparams_and_a_resume_appends(tmp_path):
