@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -248,41 +249,47 @@ def export(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False, ch
     made = [p for p in reversed(out.absolute().parents) if not p.exists()]  # folders above OUT_DIR, made here
     tmp = out.parent / f".{out.name}.export-{os.getpid()}.tmp"
     aside = out.parent / f".{out.name}.replaced-{os.getpid()}.tmp"
-    done = False
+    done = placing = False
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_export(model, tok, tmp)
-        if out.exists():
+        if overwrite and out.exists():
             os.replace(out, aside)
-        os.replace(tmp, out)
+        placing = True
+        os.replace(tmp, out)  # onto a folder that appeared meanwhile (another export): ENOTEMPTY, refused below
         done = True
     except Exception as err:  # noqa: BLE001 (safetensors reports a full disk as SafetensorError, not OSError)
         err = write_failure(err, tmp)
+        if placing and err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise ConfigError(f"{out} appeared while this export was written (another export at the same time?): "
+                              "it is left as it is and nothing of this one was kept; pass --overwrite to replace "
+                              "it, or another OUT_DIR") from err
         what = "the disk is full" if err.errno in DISK_FULL else f"cannot write there ({err.strerror})"
         kept = f"{out} is as it was" if out.exists() else f"{out} was not made"
-        fix = "free some space" if err.errno in DISK_FULL else "pass an OUT_DIR on a writable disk"
+        fix = "free some space" if err.errno in DISK_FULL else "pass an OUT_DIR you can write to" \
+            if err.errno in WRITE_ERRORS else "pass another OUT_DIR"
         raise ConfigError(f"{what}{' writing ' + str(err.filename) if err.filename else ''}: nothing was exported "
                           f"and nothing lost ({kept}); {fix}, then export again") from err
     finally:
         for leftover in (tmp, aside):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 shutil.rmtree(leftover)
         for folder in reversed(made if not done else []):
             with contextlib.suppress(OSError):
                 folder.rmdir()
+    shown = checkpoint_metrics(summary, info, checkpoint)
     return {**info, "run": str(run_dir), "checkpoint": str(ckpt), "out": str(out), "status": summary.get("status"),
-            "metrics": checkpoint_metrics(summary, info, checkpoint)}
+            "metrics": shown}
 
 
 def write_failure(err: Exception, path: Path) -> OSError:
-    """`err` as the OSError of a write the disk refused (full, read-only, no permission); re-raises
-    anything else. safetensors' writer says "(os error 28)" in a SafetensorError."""
-    if isinstance(err, OSError):
-        if err.errno in WRITE_ERRORS:
-            return err
-        raise err
+    """`err` as the OSError of a write the system refused (a full or read-only disk, no permission,
+    a file where a folder belongs); re-raises anything else. safetensors' writer says "(os error 28)"
+    in a SafetensorError."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return err
     code = re.search(r"os error (\d+)", str(err))
-    if code and int(code.group(1)) in WRITE_ERRORS:
+    if code:
         return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
     raise err
 
@@ -291,6 +298,9 @@ def checkpoint_metrics(summary: dict[str, Any], info: dict[str, Any], which: str
     """The validation numbers that describe the exported checkpoint: metrics.json's when it was written
     at the checkpoint's step, the best score the checkpoint records for `best`, else none."""
     if which == "last" and summary.get("steps") == info.get("step"):
+        validated = summary.get("validation_step")  # an interrupted run: its last validation may be older
+        if validated is not None and validated != info.get("step"):
+            info["validated_at"] = validated
         return summary.get("metrics") or {}
     best = info.get("best_score")
     return {f"{best[0]} (best)": best[1]} if which == "best" and best else {}
@@ -299,6 +309,8 @@ def checkpoint_metrics(summary: dict[str, Any], info: dict[str, Any], which: str
 def describe(info: dict[str, Any]) -> str:
     shown = ", ".join(f"{k} {v:.4f}" for k, v in info["metrics"].items()
                       if k.startswith("val/") and isinstance(v, (int, float)))
+    if shown and info.get("validated_at") is not None:
+        shown += f" (its last validation, at step {info['validated_at']})"
     status = info["status"] + (f" at step {info['step']}" if info.get("step") is not None else "")
     return "\n".join([
         f"exported {info['checkpoint']} ({status}{'; ' + shown if shown else ''})",

@@ -53,6 +53,9 @@ def check_out(out: Path, run_dir: Path, overwrite: bool) -> None:
         where = "is a run folder" if run == full.resolve() or run == full else f"lies inside the run folder {run}"
         raise ConfigError(f"OUT_DIR {out} {where}; pass an OUT_DIR outside every run folder (an export there would "
                           "mix with the run's own files)")
+    blocked = next((p for p in full.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"OUT_DIR {out} cannot be made: {blocked} is a file, not a folder; pass another OUT_DIR")
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise ConfigError(f"{out} is a file; pass another OUT_DIR")

@@ -54,6 +54,7 @@ def write_summary(
         ),
         "tokens_seen": module.tokens_seen,
         "steps": trainer.global_step,
+        "validation_step": getattr(module, "last_validation_step", None),  # the step `metrics`' val/* are from
         "skipped_steps": getattr(module, "skipped_steps", 0),
         "rollbacks": getattr(module, "rollbacks", 0),
         "wall_time_s": round(wall_time_s, 3),

@@ -76,6 +76,22 @@ def test_a_continued_run_killed_midway_is_not_exported_with_the_old_numbers(runs
     assert info["metrics"] == {"val/loss (best)": pytest.approx(float(score))}
 
 
+def test_an_interrupted_run_says_which_step_its_numbers_are_from(runs, tmp_path):
+    run = helpers.copy_run(runs / "block", tmp_path / "run")
+    go_on = [*RUNS["block"], f"hydra.run.dir={run}", "resume=true", "trainer.max_steps=30",
+             "trainer.val_check_interval=5", "+callbacks.fault._target_=faultinject.KillAt", "+callbacks.fault.step=17",
+             "+callbacks.fault.sig=TERM"]
+    stopped = helpers.run_cli(*go_on, cwd=tmp_path, env=helpers.faultinject_env())
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    record = json.loads((run / "metrics.json").read_text())
+    assert (record["status"], record["steps"], record["validation_step"]) == ("interrupted", 17, 15)
+    done = export_cli(run, tmp_path / "hf", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith(f"exported {run / 'checkpoints' / 'last.ckpt'} (interrupted at step 17; val/bpb "), first
+    assert first.endswith("(its last validation, at step 15))"), first
+
+
 # -- item 2: what --overwrite may replace ------------------------------------------------------
 def test_overwrite_replaces_an_earlier_export_and_refuses_anything_else(runs, tmp_path):
     run = helpers.copy_run(runs / "block", tmp_path / "run")
@@ -92,6 +108,8 @@ def test_overwrite_replaces_an_earlier_export_and_refuses_anything_else(runs, tm
         tmp_path / "mine": "is not an earlier export (it has no attnres config.json)",
         tmp_path: "holds the run",
     }
+    (tmp_path / "afile").write_text("")
+    cases[tmp_path / "afile" / "hf"] = "cannot be made: " + str(tmp_path / "afile") + " is a file"
     for out, said in cases.items():
         assert said in one_line(export_cli(run, out, "--overwrite", cwd=tmp_path)), out
     assert {p: files(p) for p in kept} == kept  # not one byte of any of them changed
