@@ -32,7 +32,8 @@ from torch import Tensor
 
 from attnres.ops.torch_fused import attend, differentiable_backward, inv_rms, second_order
 
-__all__ = ["DTYPES", "GradSink", "available", "fused_depth_attention", "inv_rms", "load_error", "run_depth_attention"]
+__all__ = ["DTYPES", "GradSink", "available", "fused_depth_attention", "inv_rms", "load_error", "mix_one",
+           "run_depth_attention"]
 
 DTYPES = (torch.float32, torch.float64)
 CACHED_STATISTICS = False  # `SourceStack` keeps no key statistics: the kernel computes them in passing
@@ -308,6 +309,17 @@ def run_depth_attention(
         outs, z, lse, *_ = torch.ops.attnres_cpu.forward(list(sources), r_cache, queries, list(prefix_h), prefix_lse,
                                                          eps, out_norm)
     return list(outs), z, lse
+
+
+def mix_one(sources: Sequence[Tensor], queries: Tensor, row: int, eps: float) -> Tensor:
+    """h of row `row` of the gain-folded queries (K, D) over `sources` (..., D), without
+    gradient, in one call of the kernel's lean entry (`mix` in the C++ source: one allocation,
+    the query picked there): the strategies' one-pass route (decoding), where a call's fixed cost
+    is the mix's cost. The caller holds `torch.no_grad()` or inference mode."""
+    op = _state.get("mix")
+    if op is None:
+        op = _state["mix"] = torch.ops.attnres_cpu.mix.default
+    return op(sources, queries, row, eps)
 
 
 def fused_depth_attention(

@@ -59,6 +59,7 @@ __all__ = [
     "fused_depth_attention",
     "inv_rms",
     "merge_one",
+    "mix_one",
     "run_depth_attention",
 ]
 
@@ -531,6 +532,16 @@ def merge_one(acc: Tensor, lse: Tensor, source: Tensor, query: Tensor, eps: floa
         return _MergeOne.apply(acc, lse, source, query, eps)[0]
     with torch.no_grad():
         return _MergeOne.forward(acc, lse, source, query, eps)[0]
+
+
+def mix_one(sources: Sequence[Tensor], queries: Tensor, row: int, eps: float) -> Tensor:
+    """h of row `row` of the gain-folded queries (K, D) over `sources` (..., D), without gradient,
+    in a handful of operations on the stacked sources: the strategies' one-pass route (decoding, a
+    few tokens, where each operation's fixed cost is what counts and the stack is a few rows).
+    Rounded once to the sources' dtype."""
+    v = torch.stack(sources).to(queries.dtype)  # (n, ..., D)
+    z = torch.matmul(v, queries[row]).mul_(inv_rms(v, eps))  # (n, ...)
+    return (torch.softmax(z, dim=0).unsqueeze(-1) * v).sum(dim=0).to(sources[0].dtype)
 
 
 def fold_queries(pseudo_query: Tensor, norm_weight: Tensor | None, dtype: torch.dtype) -> Tensor:

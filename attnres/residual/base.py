@@ -12,6 +12,13 @@ every depth attention through `attend`; that is all it takes to support recordin
 The AttnRes strategies also have a fast path (`kernel` option, see
 `attnres.functional`): two-phase depth attention, taken on every pass that does not record.
 
+A pass without gradients over at most `one_pass_tokens` tokens (each step of
+`Transformer.generate()`, and a short prompt's prefill) takes a third route where the kernel has
+one (`mix_one`: the C++ and plain-PyTorch kernels): one kernel call per sublayer over all its
+sources (`run_one_pass`). With a token or a few, each call's fixed cost is what a mix costs, and
+two-phase attention, which saves reads of the sources over many tokens, spends more calls and
+more plumbing to save nothing (experiments/BENCHMARKS.md, "Decoding").
+
 Knock-outs (`attnres.probes`) use the same two routes: while a knock-out is armed
 (`residual._knockout`, set only inside `attnres.probes.knockout`), `call_sublayer` and `mix`
 hand over to it and `fast_kernel` returns None, so the pass takes the reference path. With
@@ -29,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnres.functional import KERNELS, SourceStack, completed_attention, depth_attention, fold_queries, resolve_kernel
-from attnres.ops.dispatch import promoted
+from attnres.ops.dispatch import implementation, promoted
 from attnres.residual.ablations import DEFAULTS, ablated_mix, check_ablations, options_repr
 
 Sublayer = Callable[..., Tensor]
@@ -209,6 +216,9 @@ class DepthAttentionResidual(ResidualStrategy):
 
     has_depth_attention = True
     source_knockouts = True
+    #: the most tokens (B * T) a pass without gradients may have to take the one-pass route
+    #: (module docstring); 0: never. Set by each strategy where it measured the crossover.
+    one_pass_tokens: int = 0
 
     def __init__(
         self,
@@ -259,6 +269,37 @@ class DepthAttentionResidual(ResidualStrategy):
         if self._record is not None or self._knockout is not None or self.kernel == "naive" or self.ablated:
             return None
         return resolve_kernel(self.kernel, like)
+
+    def one_pass_mix(self, like: Tensor, kernel: str) -> Callable | None:
+        """The kernel's `mix_one(sources, queries (L + 1, D), row, eps) -> h` when this pass takes
+        the one-pass route (module docstring): no gradient, at most `one_pass_tokens` tokens, not
+        traced by torch.compile (its graph stays the two-phase one), no autocast (one dtype);
+        else None."""
+        if torch.is_grad_enabled() or like.numel() > self.one_pass_tokens * like.shape[-1]:
+            return None
+        if torch.compiler.is_compiling() or torch.is_autocast_enabled(like.device.type):
+            return None
+        return getattr(implementation(kernel), "mix_one", None)
+
+    def run_one_pass(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any],
+                     mix_one: Callable, starts: Any) -> Tensor:
+        """Each sublayer's depth attention over all its sources in one call of `mix_one`: the
+        completed sources, then the running sum of the outputs since the last start (Block: the
+        partial block; Full, where every sublayer starts one: the newest output). `starts`: the
+        sublayers that close the running sum into a completed source (`in` is all it needs)."""
+        eps = self.eps
+        queries = self.fast_queries(embedding).contiguous()  # (L + 1, D), gain-folded; the kernel picks its row
+        done = [embedding]  # completed sources, each (B, T, D)
+        partial: Tensor | None = None
+        for index, sublayer in enumerate(sublayers):
+            if partial is not None and index in starts:
+                done.append(partial)
+                partial = None
+            h = mix_one(done if partial is None else [*done, partial], queries, index, eps)
+            out = self.call_sublayer(index, sublayer, h, sublayer_kwargs)
+            partial = out if partial is None else partial + out
+        done.append(partial)
+        return mix_one(done, queries, self.num_layers, eps) if self.output_aggregation else _plain_sum(done)
 
     def mix(self, index: int, sources: Sequence[Tensor], columns: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         """(h, weights (S, ...)) of depth attention over `sources` with the parameters of

@@ -187,6 +187,9 @@ class BlockAttentionResidual(DepthAttentionResidual):
         # the first sublayer of each block: where the partial sum is closed into a completed block
         self._starts = tuple(sum(sizes[:n]) for n in range(len(sizes)))
         self._ahead = ahead_blocks(sizes)
+        # without gradients the one-pass route reads at most N + 1 sources per sublayer: cheaper than
+        # the two-phase plumbing up to 512 tokens at least (experiments/BENCHMARKS.md, "Decoding")
+        self.one_pass_tokens = 512
         self.block_size_layers, self.query_init_std = block_size_layers, float(query_init_std)
         if self.query_init_std:
             self.reset_parameters()
@@ -200,6 +203,9 @@ class BlockAttentionResidual(DepthAttentionResidual):
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         kernel = self.fast_kernel(embedding)
         if kernel is not None:
+            mix_one = self.one_pass_mix(embedding, kernel)
+            if mix_one is not None:  # decoding: one call per sublayer (DepthAttentionResidual)
+                return self.run_one_pass(embedding, sublayers, sublayer_kwargs, mix_one, self._starts)
             return self._run_two_phase(embedding, sublayers, sublayer_kwargs, kernel)
         starts = set(self._starts)
         blocks = [embedding]  # completed blocks, each (B, T, D)

@@ -61,6 +61,9 @@ class FullAttentionResidual(DepthAttentionResidual):
         # a window that hides a source takes the reference path too; W >= L hides none
         self.ablated = self.ablated or (self.window is not None and self.window < num_layers)
         self.chunk = min(4, max(1, round(math.sqrt(num_layers))))  # C, sublayers per phase-1 pass
+        # without gradients, one call per sublayer over all l + 1 sources (the one-pass route) reads
+        # L^2 / 2 rows a token: cheaper than two-phase up to a few hundred tokens (BENCHMARKS.md)
+        self.one_pass_tokens = 128
 
     def depth_layout(self) -> tuple[str, list[str], str]:
         L = self.num_layers
@@ -86,6 +89,9 @@ class FullAttentionResidual(DepthAttentionResidual):
     def run(self, embedding: Tensor, sublayers: Sequence[Sublayer], sublayer_kwargs: dict[str, Any]) -> Tensor:
         kernel = self.fast_kernel(embedding)
         if kernel is not None:
+            mix_one = self.one_pass_mix(embedding, kernel)
+            if mix_one is not None:  # decoding: one call per sublayer, each output a source of its own
+                return self.run_one_pass(embedding, sublayers, sublayer_kwargs, mix_one, range(self.num_layers))
             return self._run_two_phase(embedding, sublayers, sublayer_kwargs, kernel)
         sources = [embedding]  # each (B, T, D)
         for index, sublayer in enumerate(sublayers):

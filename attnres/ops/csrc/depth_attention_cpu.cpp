@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -696,6 +697,55 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
   return {dV, d_q.to(dt), d_pre_h, d_pre_lse, d_w.to(dt)};
 }
 
+// -------------------------------------------------------------------------------------------------
+// one query, no statistics kept: decoding
+// -------------------------------------------------------------------------------------------------
+
+// h (..., D) of row `row` of the gain-folded queries (K, D) over the sources, without gradient:
+// the strategies' one-pass route (decoding, a token or a few per call), where a call's fixed
+// cost is the mix's cost. So: one allocation (the result), the scratch on the stack, the tokens
+// on the calling thread, the query picked here rather than as a Python view. Per token as
+// `forward`: logits v_i . q r_i, the softmax over sources, the weighted sum, in T, rounded once.
+Tensor mix(const std::vector<Tensor>& vals, const Tensor& queries, int64_t row, double eps) {
+  TORCH_CHECK(!vals.empty(), "depth attention needs at least one source");
+  const auto dt = queries.scalar_type();
+  const at::IntArrayRef shape = vals[0].sizes();
+  const int64_t n = vals.size(), d = queries.size(-1), m = vals[0].numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(queries.dim() == 2 && queries.is_contiguous() && row >= 0 && row < queries.size(0),
+              "queries: a contiguous (K, D) tensor and a row of it");
+  TORCH_CHECK(shape.size() >= 1 && shape.back() == d, "sources must be (..., D) with the queries' D");
+  check_rows(vals, shape, dt, "sources");
+  Tensor out = at::empty(shape, queries.options());
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const T* q = queries.data_ptr<T>() + row * d;
+    T* o = out.data_ptr<T>();
+    c10::SmallVector<const T*, 32> src(n);
+    c10::SmallVector<T, 32> z(n);
+    for (int64_t i = 0; i < n; ++i) src[i] = vals[i].data_ptr<T>();
+    for (int64_t t = 0; t < m; ++t) {
+      T top = -std::numeric_limits<T>::infinity(), sum = 0, qs[2];
+      for (int64_t i = 0; i < n; ++i) {
+        const T* v = src[i] + t * d;
+        dots<1, true>(v, &q, d, qs);
+        z[i] = qs[0] * row_inv_rms(v, d, eps, qs[1]);
+        top = std::max(top, z[i]);
+      }
+      for (int64_t i = 0; i < n; ++i) sum += (z[i] = std::exp(z[i] - top));
+      T* orow = o + t * d;
+      for (int64_t i = 0; i < n; ++i) {
+        const T a = z[i] / sum;
+        if (i == 0) {
+          axpys<1, true>(src[i] + t * d, &a, &orow, d);
+        } else {
+          axpys<1, false>(src[i] + t * d, &a, &orow, d);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnres_cpu, lib) {
@@ -707,9 +757,11 @@ TORCH_LIBRARY(attnres_cpu, lib) {
       "Tensor?[] d_outs, Tensor? dz_ext, Tensor? dlse, Tensor? out_norm, Tensor? h, Tensor? h_inv_rms, "
       "Tensor?[] accumulate) -> "
       "(Tensor[], Tensor, Tensor[], Tensor, Tensor)");
+  lib.def("mix(Tensor[] vals, Tensor queries, int row, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnres_cpu, CPU, lib) {
   lib.impl("forward", &forward);
   lib.impl("backward", &backward);
+  lib.impl("mix", &mix);
 }
