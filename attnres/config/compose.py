@@ -274,8 +274,16 @@ def suggest(key: str, candidates: Sequence[str], sources: Sequence[str] | None =
     if whole:
         return whole
     leaves = {c.rsplit(".", 1)[-1]: c for c in reversed(sources)}
-    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.8)
+    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.8) or [
+        c for c in leaves if _swapped(leaf, c)][:1]  # `szie`: two letters swapped scores only 0.75
     return [leaves[close[0]]] if close else []
+
+
+def _swapped(typed: str, key: str) -> bool:
+    """Whether `typed` is `key` with two neighbouring letters swapped."""
+    diff = [i for i, (a, b) in enumerate(zip(typed, key, strict=False)) if a != b]
+    return (len(typed) == len(key) and len(diff) == 2 and diff[1] == diff[0] + 1
+            and typed[diff[0]] == key[diff[1]] and typed[diff[1]] == key[diff[0]])
 
 
 def parse_overrides(overrides: Sequence[str], config_loader: Any = None) -> list[Any]:

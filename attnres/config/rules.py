@@ -97,6 +97,8 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "num_blocks": Rule("int", 1, example=4),
         "compile": BOOL, "resume": BOOL, "overwrite": BOOL, "keep_freed_memory": BOOL,
         "mode": Rule("choice", choices=("train", "eval", "sample")),
+        "budget": Rule("number", 0, open_low=True, example=0.1),  # experiment=paper_*'s keys, absent elsewhere
+        "gpus_per_job": Rule("int", 1, nullable=True, example=1), "gpus_per_node": Rule("int", 1, example=8),
     },
     ("sample", ()): {
         "max_new_tokens": Rule("int", 1, example=200), "temperature": Rule("number", 0, example=0.8),

@@ -13,6 +13,8 @@ from typing import Any
 from omegaconf import DictConfig
 from omegaconf.errors import InterpolationKeyError
 
+from attnres.config.errors import ConfigError
+
 MISSING = re.compile(r"Interpolation key '([^']+)' not found")
 
 
@@ -25,7 +27,13 @@ def _raw(cfg: DictConfig, key: str) -> Any:
 
 def explain(cfg: DictConfig, err: Exception) -> str | None:
     """One line for an interpolation `a.b.c` that breaks because a top-level key's value names no
-    entry of the table `a` (or `a.b`); None when the error is something else."""
+    entry of the table `a` (or `a.b`), or for one whose resolver refused its arguments with a
+    ConfigError of its own (`budget=abc`); None when the error is something else."""
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, ConfigError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:  # a resolver of ours (attnres.steps, ...) refused its arguments: its words name the fix
+        return str(cause)
     match = MISSING.search(str(err)) if isinstance(err, InterpolationKeyError) else None
     if match is None:
         return None

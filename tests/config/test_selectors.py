@@ -67,3 +67,24 @@ def test_a_single_run_of_a_built_in_sweep_says_it_trains_one_job(capsys):
 def test_no_note_for_a_sweep_or_a_run_that_picks_its_job(capsys, args):
     check_command_line(args, CONF)
     assert "is a sweep of" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("budget=abc", "budget=abc is not a number"), ("budget=0", "budget=0 is out of range"),
+    ("gpus_per_job=x", "gpus_per_job=x is not an integer"), ("gpus_per_node=0", "gpus_per_node=0 is out of range"),
+    ("szie=194m", "unknown key szie (did you mean size?)"), ("budgte=0.1", "unknown key budgte (did you mean budget?)"),
+])
+def test_a_bad_value_of_a_paper_key_is_named(value, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        check_command_line(["-m", "experiment=paper_scaling", "scale=cpu", value], CONF)
+
+
+def test_cfg_job_shows_a_resolvers_own_words(monkeypatch, capsys):
+    import cli
+
+    monkeypatch.setattr(sys, "argv", ["attnres-run", "--cfg", "job", "experiment=paper_scaling", "gpus_per_job=x"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("attnres-run: error: GPUs per job and per node must be whole numbers >= 1, got 'x'"), line
+    assert "${...}" not in line and "raised while resolving" not in line
