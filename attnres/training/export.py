@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as err:
         print(f"{PROG}: error: {err.name or err} is not installed; pip install 'attnres[hf]'", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: `export` has already removed what it had written
+        print(f"{PROG}: interrupted; nothing was exported ({args.out_dir} is as it was)", file=sys.stderr)
+        sys.exit(130)
     print(describe(info))
 
 
