@@ -83,7 +83,11 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Path]:
 
 def exported_model(folder: Path) -> Any:
     """The `attnres.Transformer` of a folder written by attnres-export (`attnres.hf`, the hf extra)."""
-    model_type = read_json(folder / "config.json").get("model_type")
+    config = read_json(folder / "config.json")
+    if not config:
+        raise ConfigError(f"{folder / 'config.json'} is empty or damaged (not a JSON object); export the run again "
+                          "with attnres-export")
+    model_type = config.get("model_type")
     if model_type != "attnres":
         kind = f"a {model_type} Hugging Face model" if model_type else "no Hugging Face model type (config.json)"
         raise ConfigError(f"ckpt_path={folder} holds {kind}, not an attnres one; "

@@ -207,6 +207,12 @@ def test_a_checkpoint_and_its_export_alike_refuse_longer_contexts(runs, tmp_path
     line = helpers.one_line_error(helpers.run_cli(*common[:-1], f"ckpt_path={damaged}", "hydra.run.dir=bad",
                                                   cwd=tmp_path))
     assert f"{damaged / 'model.safetensors'} is damaged" in line, line
+    for config, said in (("{\"model_type\": \"attnres\"", "config.json is empty or damaged"),
+                         ('{"model_type": "gpt2"}', "holds a gpt2 Hugging Face model, not an attnres one")):
+        (damaged / "config.json").write_text(config)
+        line = helpers.one_line_error(helpers.run_cli(*common[:-1], f"ckpt_path={damaged}", "hydra.run.dir=bad",
+                                                      cwd=tmp_path))
+        assert said in line, line
 
 
 # -- item 10: the exported model and tokenizer as a transformers user holds them ------------------
