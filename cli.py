@@ -72,9 +72,12 @@ def job_config(overrides: list[str]) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(job))
 
 
-def main() -> None:
-    with user_errors():
-        check_command_line(sys.argv[1:], CONF_DIR)
+def main(checked: bool = False) -> None:
+    """`checked`: the command line has been checked already (attnres/_entry.py does it before this
+    module's imports, so that a mistake is answered at once)."""
+    if not checked:
+        with user_errors():
+            check_command_line(sys.argv[1:], CONF_DIR)
     if sys.argv[1:3] == ["--cfg", "job"] and not any(a.startswith(("-", "hydra.")) for a in sys.argv[3:]):
         with user_errors():
             print(job_config(sys.argv[3:]), end="")

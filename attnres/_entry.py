@@ -19,6 +19,7 @@ GROUP_HELP = {
     "logger": "where metrics go",
     "callbacks": "checkpoints, progress, TensorBoard dashboards and HParams",
     "experiment": "named studies that set several groups at once",
+    "experiment/paper_ablation": "one row of the paper's Table 4: experiment/paper_ablation@_global_=<row>",
     "debug": "short runs for checking a setup",
     "hydra/launcher": "how a sweep's jobs run (-m)",
 }
@@ -54,13 +55,14 @@ def help_text(conf: Path) -> str:
         "",
         "config groups (group=option; * the default):",
     ]
+    column = max(15, *(len(g) for g in GROUP_HELP))
     for group, what in GROUP_HELP.items():
         options = sorted(f.stem for f in (conf / group).glob("*.yaml"))
         if group == "hydra/launcher":
             options = sorted({*options, "basic"})
         marked = [f"{o}*" if o == defaults.get(group.split("/")[-1], defaults.get(group)) else o for o in options]
-        lines.append(f"  {group:<15} {what}")
-        lines.append(f"  {'':<15}   {', '.join(marked)}")
+        lines.append(f"  {group:<{column}} {what}")
+        lines.append(f"  {'':<{column}}   {', '.join(marked)}")
     lines += ["", "top-level keys (key=value):"]
     width = max([15, *(len(key) for key, _ in keys)])
     lines += [f"  {key:<{width}} {what}" for key, what in keys]
@@ -77,6 +79,13 @@ def main() -> None:
     # plugs in with `residual._target_=my_residual.MyResidual`.
     if "" not in sys.path and sys.path[0] != str(Path.cwd()):
         sys.path.insert(0, str(Path.cwd()))
+    # A mistaken command is answered before torch and Lightning are imported (seconds on a busy
+    # machine): checking it needs Hydra and OmegaConf only, until it builds the parts of a valid one.
+    from attnres.config.command import check_command_line
+    from attnres.config.errors import user_errors
+
+    with user_errors():
+        check_command_line(sys.argv[1:], conf_dir())
     if importlib.util.find_spec("attnres.cli") is not None:
         from attnres import cli
     else:
@@ -91,4 +100,4 @@ def main() -> None:
         import cloudpickle
 
         cloudpickle.register_pickle_by_value(cli)
-    cli.main()
+    cli.main(checked=True)

@@ -33,7 +33,7 @@ def test_help_lists_every_group_without_importing_lightning(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     groups = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "hydra")
-    for group in [*groups, "hydra/launcher"]:
+    for group in [*groups, "hydra/launcher", "experiment/paper_ablation"]:
         options = sorted(f.stem for f in (REPO / "conf" / group).glob("*.yaml"))
         line = next((line for line in result.stdout.splitlines() if line.strip().startswith(group + " ")), None)
         assert line is not None, f"--help does not list {group}"
@@ -48,6 +48,19 @@ def test_help_lists_every_group_without_importing_lightning(tmp_path):
                             "print('LIGHTNING' if 'pytorch_lightning' in sys.modules else 'light')"],
                            capture_output=True, text=True, cwd=tmp_path, env=cli_env())
     assert probe.stdout.strip().endswith("light"), probe.stdout[-500:]
+
+
+@pytest.mark.parametrize("args", [["model.n_layers=4"], ["residual=blok"], ["trainer.max_steps=-5"],
+                                  ["-m", "residual=standard,blok"]])
+def test_a_mistaken_command_is_answered_before_torch_is_imported(tmp_path, args):
+    """Issue "The first hour", item 2: the one line came after torch and Lightning had been imported
+    (10 s on a loaded machine); experiments/bench_first_answer.py measures it against --help."""
+    probe = subprocess.run([sys.executable, "-c", "import atexit, sys; atexit.register(lambda: print('TORCH' if "
+                            "'torch' in sys.modules else 'NO TORCH')); sys.argv = ['attnres-run', *sys.argv[1:]];"
+                            "from attnres._entry import main; main()", *args],
+                           capture_output=True, text=True, cwd=tmp_path, env=cli_env())
+    assert probe.returncode == 2 and probe.stderr.startswith("attnres-run: error: "), probe.stderr[-2000:]
+    assert probe.stdout.strip() == "NO TORCH"
 
 
 def test_python_dash_m_attnres_is_attnres_run(monkeypatch, capsys):

@@ -100,3 +100,11 @@ def test_more_gpus_than_the_machine_has_names_the_key_that_sets_them(monkeypatch
     with pytest.raises(ConfigError) as err:
         check_devices(8, gpu=True, per_job=per_job)  # experiment=paper_* sets trainer.devices from gpus_per_job
     assert str(err.value) == f"trainer.devices=8 but this machine has 1 GPU(s); {fix}"
+
+
+def test_the_kernel_names_are_the_dispatchers():
+    """rules.py writes them out so that checking a command imports no torch."""
+    from attnres.config.rules import KERNELS
+    from attnres.ops.dispatch import KERNELS as DISPATCHED
+
+    assert KERNELS == DISPATCHED
