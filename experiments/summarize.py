@@ -1,60 +1,12 @@
-"""Rebuild a sweep's summary.csv, summary.md and summary.png from its run folders.
+"""`attnres-summarize` from a clone: a sweep's summary rebuilt from its run folders
+(attnres/results/summarize.py).
 
-    python experiments/summarize.py multirun/<name>
-    python experiments/summarize.py multirun/a multirun/b --out multirun/ab   # several sweeps as one
-
-Useful after editing runs, after a sweep whose own process died before its end, or to pair runs
-that several sweeps made (a baseline sweep and the sweeps of its variants). The counts name each
-status as the summary does ("timed out", "cancelled", ...); exit status 0, or 2 for a bad folder.
+    python experiments/summarize.py SWEEP_DIR [...] [--out DIR]   # the same as: attnres-summarize SWEEP_DIR ...
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-from attnres.results.summary import (
-    find_job_dirs,
-    format_counts,
-    primary_metric,
-    status_counts,
-    verdict_lines,
-    write_sweep_summary,
-)
-from attnres.results.verdict import comparisons
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dirs", type=Path, nargs="+", help="a sweep folder, e.g. multirun/default (or several)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where to write the summary of several sweeps (default: the one sweep folder)")
-    args = parser.parse_args()
-    for folder in args.sweep_dirs:
-        if not folder.is_dir() or not find_job_dirs(folder):
-            print(f"summarize: {folder} holds no run folders (subfolders with .hydra/); "
-                  "pass the folder `attnres-run -m` wrote, e.g. multirun/default", file=sys.stderr)
-            return 2
-    if len(args.sweep_dirs) > 1 and args.out is None:
-        print("summarize: with several sweep folders, name where their summary goes with --out DIR", file=sys.stderr)
-        return 2
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        rows = write_sweep_summary(args.out, *args.sweep_dirs)
-        out = args.out
-    else:
-        rows = write_sweep_summary(args.sweep_dirs[0])
-        out = args.sweep_dirs[0]
-    metric = primary_metric(rows)
-    counts = format_counts(status_counts([row["status"] for row in rows]))
-    print(f"{counts} -> {out}/summary.md, summary.csv, summary.png ({metric})")
-    for row in rows:
-        print(f"  {row['job']:<40} {row['status']:<12} {metric}={row.get(metric)}")
-    for line in verdict_lines(comparisons(rows, metric), rows):
-        print(f"verdict: {line}")
-    return 0
-
+from attnres.results.summarize import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,8 +12,12 @@ How each command is checked (nothing trains, nothing is installed, nothing is do
   `attnres.config.command.check_command_line(argv, conf/)`, which composes every job of the
   command with Hydra and checks its values, without running anything; a `_target_=` override
   must name an importable object. `--help` and `--hydra-help` run in a subprocess (exit 0).
-- `python experiments/X.py ...`, `attnres-prepare ...` and `attnres-export ...`: run with `--help`
-  (exit 0), and every `--option` the command uses must be one the help lists.
+- `python experiments/X.py ...` and the other installed commands (`attnres-prepare`, `attnres-export`,
+  `attnres-summarize`, `attnres-plot`, `attnres-probe`: every `[project.scripts]` entry of
+  pyproject.toml): run with `--help` (exit 0), and every `--option` the command uses must be one the
+  help lists. An installed command runs through its pyproject.toml entry point (`module:function`),
+  so the check holds before an editable checkout is reinstalled; tests/test_installed_commands.py
+  runs them from a built wheel.
 - `pip install ...`: the extras named exist in pyproject.toml, a pinned torch is the one CI
   installs and meets the project's requirement, a named package is a dependency of an extra.
 - `python -m pytest ...`: the markers named are declared, `-n` has pytest-xdist in the `test`
@@ -71,8 +75,9 @@ CI_TEST_COMMAND = "python -m pytest -n auto"
 
 SHELL_TAGS = {"bash", "sh", "shell", "console"}
 #: first words that make an untagged block a shell block, and that every command must start with
-COMMANDS = {"attnres-run", "attnres-prepare", "attnres-export", "python", "pip", "tensorboard", "lint-imports",
-            "experiments/slurm/cluster.sh", "experiments/gpu_check.sh", "cd", "git"}
+COMMANDS = {"attnres-run", "attnres-prepare", "attnres-export", "attnres-summarize", "attnres-plot", "attnres-probe",
+            "python", "pip", "tensorboard", "lint-imports", "experiments/slurm/cluster.sh", "experiments/gpu_check.sh",
+            "cd", "git"}
 #: commands shown but never executed here, and why
 NOT_EXECUTED = {"cd": "changes the reader's folder", "git": "changes the checkout"}
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -276,6 +281,16 @@ def pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
+def entry_point(name: str) -> tuple[str, ...]:
+    """The program that runs the installed command `name` as pyproject.toml declares it (module:function)."""
+    scripts = pyproject()["project"]["scripts"]
+    assert name in scripts, f"{name} is no [project.scripts] entry of pyproject.toml"
+    module, _, function = scripts[name].partition(":")
+    code = (f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; "
+            f"sys.exit({function}())")
+    return sys.executable, "-c", code
+
+
 def requirement_names(requirements: list[str]) -> set[str]:
     return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
 
@@ -369,10 +384,8 @@ def check(command: Command, folder: Path, monkeypatch, capsys) -> None:
         script = REPO / args[0]
         assert script.is_file(), f"no script {args[0]}"
         check_options((sys.executable, str(script)), args[1:])
-    elif program == "attnres-prepare":
-        check_options(("attnres-prepare",), args)
-    elif program == "attnres-export":
-        check_options(("attnres-export",), args)
+    elif program in pyproject()["project"]["scripts"]:  # attnres-prepare, attnres-export, attnres-plot, ...
+        check_options(entry_point(program), args)
     elif program == "pip":
         check_pip(args)
     elif program == "tensorboard":

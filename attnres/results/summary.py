@@ -2,7 +2,7 @@
 and summary.png: each configuration's difference from its paired standard baseline (interval
 and per-seed dots, zero marked) beside the validation curves over steps.
 
-Rebuilt from the run folders alone, so `experiments/summarize.py SWEEP_DIR` can redo it. A run
+Rebuilt from the run folders alone, so `attnres-summarize SWEEP_DIR` can redo it. A run
 folder is any folder below the sweep folder that holds `.hydra/`; a job is labelled by the
 overrides of `.hydra/overrides.yaml` that differ between the jobs, not by its folder name, and a
 configuration by those less the seed. Verdicts: `attnres.results.verdict` (DESIGN.md section 6).
@@ -282,7 +282,7 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
               f"diff is the run's {metric} minus its baseline's at the same seed.", ""]
     if left_out > 0:
         lines[-1:-1] = [f"This folder also holds {left_out} run(s) of earlier sweeps, not listed here; "
-                        f"`python experiments/summarize.py {sweep_dir}` lists every run in it.", ""]
+                        f"`attnres-summarize {sweep_dir}` lists every run in it.", ""]
     lines.append("| " + " | ".join(MD_COLUMNS) + " |")
     lines.append("|" + "---|" * len(MD_COLUMNS))
     for r in rows:
@@ -294,7 +294,7 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
         fig.savefig(buffer_png, format="png")
     except Exception as err:  # any plotting failure: say so in one line and go on
         print(f"summary: summary.png not drawn ({type(err).__name__}: {err}); summary.md and summary.csv are "
-              f"written; redraw with python experiments/summarize.py {sweep_dir}", file=sys.stderr, flush=True)
+              f"written; redraw with attnres-summarize {sweep_dir}", file=sys.stderr, flush=True)
         return rows
     atomic_write(sweep_dir / "summary.png", lambda f: f.write(buffer_png.getvalue()))
     return rows

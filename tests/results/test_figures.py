@@ -1,4 +1,4 @@
-"""The figures (attnres/results/figures.py) and experiments/plot_run.py, which draws them from a
+"""The figures (attnres/results/figures.py) and attnres-plot (attnres/results/plot_run.py), which draws them from a
 run's events: heatmaps sized to what they show, the comparison of magnitudes coloured by strategy,
 and the script's pictures equal to the ones the shared runs logged, pixel for pixel."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from attnres.labels import sublayer_label
 from attnres.results import figures
-from tests.helpers import REPO, RUN_N_LAYER, copy_run, run_script
+from tests.helpers import RUN_N_LAYER, copy_run, run_script
 
 L = 2 * RUN_N_LAYER
 
@@ -75,11 +75,8 @@ def test_heatmap_size_and_annotations_follow_the_grid():
 
 
 def test_compare_magnitude_has_input_and_output_panels_coloured_by_strategy(tmp_path, monkeypatch):
-    import importlib.util
+    from attnres.results import plot_run
 
-    spec = importlib.util.spec_from_file_location("plot_run", REPO / "experiments" / "plot_run.py")
-    plot_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot_run)
     labels = [sublayer_label(i, L) for i in range(L)]
     rng = np.random.default_rng(0)
     results = {}
