@@ -3,7 +3,8 @@
 Left: each configuration's difference from its paired standard-residual baseline (the mean,
 its 95% interval, a dot per seed), zero marked, so a gap inside the seeds' spread reads as
 one. Right: the validation curves of the primary metric over steps, mean and min-max band
-over seeds, read from each run's TensorBoard events (the `Val/...` tags the runner logs).
+over seeds, read from each run's TensorBoard events (the `Val/...` tags the runner logs); a run
+that validated once (the default at a few steps) is a point with its seeds' range as a bar.
 """
 
 from __future__ import annotations
@@ -103,20 +104,57 @@ def _differences(ax: Any, shown: Sequence[Any], metric: str) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
+#: a curve of at most this many validations gets a marker at each
+MARKED_POINTS = 12
+
+
 def _curves(ax: Any, curves: Mapping[str, tuple[np.ndarray, np.ndarray]], metric: str) -> None:
-    if not curves:
+    """Each configuration's validations over steps: the mean over seeds as a line (with markers when
+    it has few points) and the seeds' min-max as a band. When every run validated once, a point per
+    configuration with its seeds' range as a bar (`_last_values`). A legend only for what is drawn."""
+    shown = {name: curve for name, curve in curves.items() if len(curve[0])}
+    if not shown:
         ax.text(0.5, 0.5, f"no {metric} curves in the runs' events", ha="center", va="center",
                 transform=ax.transAxes, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
         return
-    names = sorted(curves)
+    names = sorted(shown)
+    if all(len(steps) == 1 for steps, _ in shown.values()):
+        _last_values(ax, {name: shown[name] for name in names}, metric)
+        return
+    from matplotlib.ticker import MaxNLocator
+
     for name, colour in zip(names, strategy_colours(names), strict=True):
-        steps, values = curves[name]
-        ax.plot(steps, values.mean(axis=0), color=colour, linewidth=1.4, label=f"{name} ({len(values)})")
+        steps, values = shown[name]
+        few = len(steps) <= MARKED_POINTS
+        ax.plot(steps, values.mean(axis=0), color=colour, linewidth=1.4, marker="o" if few else None, markersize=4,
+                label=f"{name} ({len(values)})")
         if len(values) > 1:
             ax.fill_between(steps, values.min(axis=0), values.max(axis=0), color=colour, alpha=0.18, linewidth=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step", fontsize=8)
     ax.set_ylabel(metric, fontsize=8)
     ax.set_title("validation: mean over seeds, band min-max (n seeds)", fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, frameon=False)
+
+
+def _last_values(ax: Any, curves: Mapping[str, tuple[np.ndarray, np.ndarray]], metric: str) -> None:
+    """Runs that validated once (a few steps, the default validation interval): no curve to draw, so
+    one column per configuration, its mean over seeds as a point and their min-max as a bar."""
+    names = list(curves)
+    for x, (name, colour) in enumerate(zip(names, strategy_colours(names), strict=True)):
+        _, values = curves[name]
+        mean = values.mean(axis=0)
+        ax.errorbar([x], mean, yerr=[mean - values.min(axis=0), values.max(axis=0) - mean], fmt="o", color=colour,
+                    markersize=6, capsize=4, linewidth=1.2, label=f"{name} ({len(values)})")
+    ax.set_xticks(range(len(names)), [f"{name}\n({len(curves[name][1])} seeds)" for name in names], fontsize=8)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.set_ylabel(metric, fontsize=8)
+    steps = sorted({int(steps[0]) for steps, _ in curves.values()})
+    at = f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
+    ax.set_title(f"validation (once, at {at}): mean over seeds, bar min-max", fontsize=9)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="y", alpha=0.3)
