@@ -144,7 +144,13 @@ def config_summary(cfg: DictConfig, info: dict[str, Any]) -> str:
     return (f"{residual}, model {info.get('model')} ({model.get('n_layer')} layers, {model.get('n_embd')} wide, "
             f"{model.get('n_head')} heads), data {info.get('data')} (batch {cfg.data.get('batch_size')} x "
             f"{cfg.data.get('block_size')}), {cfg.trainer.get('max_steps')} steps, "
-            f"{describe_optimizer(cfg.optim.optimizer)}, seed {cfg.seed}")
+            f"{describe_optimizer(cfg.optim.optimizer)}, seed {cfg.seed}, {threads_note()}")
+
+
+def threads_note() -> str:
+    """`2 threads` (torch's CPU threads in this process; `threads=` sets them)."""
+    count = torch.get_num_threads()
+    return f"{count} thread{'s' if count != 1 else ''}"
 
 
 def end_interrupted(err: BaseException, stop: Any, trainer: pl.Trainer, module: Any, run_dir: Path,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, read_write
 from pytorch_lightning.callbacks import ProgressBar
@@ -106,6 +107,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         update_moved_targets(cfg)  # a config written before the runner was split names old paths
     validate_config(cfg)
     check_nodes(cfg)
+    if cfg.get("threads"):  # the user's word wins over the launcher's per-slot default
+        torch.set_num_threads(int(cfg.threads))
     if cfg.get("keep_freed_memory", True):
         keep_freed_memory()  # before the first large tensor
     if cfg.get("mode", "train") != "train":  # mode=eval | sample: a checkpoint, no training

@@ -20,3 +20,24 @@ def test_run_id_is_one_flat_bounded_stable_name():
     longer = run_id(",".join(f"key{i}=value{i}" for i in range(61)))
     assert len(long.encode()) <= 200 and len(longer.encode()) <= 200 and long != longer
     assert long.startswith("key0=value0,key1=value1")
+
+
+def test_a_tracker_or_thread_count_does_not_change_the_folder():
+    """Issue "The first hour", item 6: `logger=mlflow` gave the same computation a new folder."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tests.helpers import CONF
+
+    folders = []
+    for extra in ([], ["logger=mlflow"], ["logger=none", "threads=1"], ["logger=many"]):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            overrides = ["residual=block", "seed=1", *extra]
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+            # what Hydra fills in when a run starts: the overrides, less the excluded keys
+            excluded = set(cfg.hydra.job.config.override_dirname.exclude_keys)
+            kept = sorted(o for o in overrides if o.split("=", 1)[0] not in excluded)
+            folders.append(run_id(",".join(kept)))
+        GlobalHydra.instance().clear()
+    assert len(set(folders)) == 1 and folders[0] == "residual=block,seed=1", folders

@@ -59,3 +59,13 @@ def test_a_non_finite_loss_before_the_first_checkpoint_says_there_is_none(tmp_pa
                           tmp_path / "checkpoints" / "last.ckpt", {}, 0.0)
     assert "there is no good checkpoint yet (it stopped before the first one)" in str(ended)
     assert "is no checkpoint yet" not in str(ended) and ended.exit_code == 1
+
+
+@pytest.mark.slow
+def test_the_start_line_shows_the_threads_and_threads_sets_them(tmp_path):
+    """Issue "The first hour", item 5: nothing showed how many threads a run used."""
+    ran = run_cli(*tiny(steps=1, progress_bar=False), "threads=1", "hydra.run.dir=R", cwd=tmp_path,
+                  env={"OMP_NUM_THREADS": "2"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    start = [line for line in (ran.stdout + ran.stderr).splitlines() if ", seed 0, " in line]
+    assert len(start) == 1 and start[0].endswith(", seed 0, 1 thread"), start
