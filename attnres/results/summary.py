@@ -234,6 +234,12 @@ def terminal_table(rows: list[dict[str, Any]]) -> str:
 MD_COLUMNS = [c for c in COLUMNS if c not in verdict.COLUMNS or c == "diff"]
 
 
+def filled_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns of summary.md some job fills (`val/accuracy` only for synthetic data, `error`
+    only when a job failed), `job` and `status` always; summary.csv keeps every column."""
+    return [c for c in MD_COLUMNS if c in ("job", "status") or any(_fmt(r.get(c)) for r in rows)]
+
+
 def attach_verdicts(rows: list[dict[str, Any]], metric: str) -> list[verdict.Comparison]:
     """The comparisons of the sweep; each row gets its configuration's verdict columns and
     `diff`, its own difference from the baseline run of the same seed."""
@@ -283,10 +289,11 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     if left_out > 0:
         lines[-1:-1] = [f"This folder also holds {left_out} run(s) of earlier sweeps, not listed here; "
                         f"`attnres-summarize {sweep_dir}` lists every run in it.", ""]
-    lines.append("| " + " | ".join(MD_COLUMNS) + " |")
-    lines.append("|" + "---|" * len(MD_COLUMNS))
+    columns = filled_columns(rows)
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/") for k in MD_COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/") for k in columns) + " |")
     atomic_write(sweep_dir / "summary.md", lambda f: f.write(("\n".join(lines) + "\n").encode()))
     try:  # the table and the verdicts are written; a figure that cannot be drawn must not lose them
         fig = summary_figure.summary_figure(found, rows, metric, title or sweep_dir.name)

@@ -36,3 +36,27 @@ def test_summarize_counts_unfinished_jobs_and_finds_nested_folders(tmp_path):
     header = next(line for line in (sweep / "summary.md").read_text().splitlines() if line.startswith("3 jobs"))
     assert header.startswith("3 jobs: 1 finished, 1 failed, 1 unfinished."), header
     assert "not" not in header.split(".")[0]
+
+
+def _md_header(sweep: Path) -> list[str]:
+    table = [line for line in (sweep / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    return [cell.strip() for cell in table[0].strip("|").split("|")]
+
+
+def test_summary_md_shows_only_the_columns_some_job_fills(tmp_path):
+    from attnres.results.summary import COLUMNS, write_sweep_summary
+
+    sweep = tmp_path / "sweep"
+    for seed in (0, 1):
+        _fake_job(sweep / f"seed={seed}", [f"seed={seed}"],
+                  {"status": "finished", "metrics": {"val/loss": 1.0, "val/bpb": 1.4 + seed}, "tokens_per_sec": 9.0})
+    write_sweep_summary(sweep)
+    header = _md_header(sweep)
+    assert "val/accuracy" not in header and "error" not in header and "slot" not in header, header
+    assert header[:2] == ["job", "config"] and {"status", "val/loss", "val/bpb", "tokens_per_sec"} <= set(header)
+    with open(sweep / "summary.csv") as f:
+        assert f.readline().strip().split(",") == COLUMNS  # the CSV keeps its columns, for the programs reading it
+    _fake_job(sweep / "seed=2", ["seed=2"], {"status": "failed", "error": "RuntimeError: boom"})
+    write_sweep_summary(sweep)
+    assert "error" in _md_header(sweep)  # now a job fills it
+    assert "RuntimeError: boom" in (sweep / "summary.md").read_text()
