@@ -19,14 +19,15 @@ class StepProgressBar(ProgressBar):
     only updates those numbers instead of drawing bars of its own.
 
     Where stdout is not a terminal (a sweep's train.log, a batch job's log) there is no bar:
-    a plain log line every `plain_every` steps and after each validation, so files hold no
-    carriage returns or escape codes.
+    a plain log line after the first step (so a log says at once that training runs, and how
+    fast), every `plain_every` steps and after each validation, so files hold no carriage
+    returns or escape codes.
     """
 
     def __init__(self, refresh_rate: int = 10, plain_every: int = 100) -> None:
         super().__init__()
         self.refresh_rate, self.plain_every = max(1, int(refresh_rate)), max(1, int(plain_every))
-        self._enabled, self.bar = True, None
+        self._enabled, self.bar, self._first_said = True, None, False
 
     def disable(self) -> None:
         self._enabled = False
@@ -44,6 +45,7 @@ class StepProgressBar(ProgressBar):
         return f"step {trainer.global_step}/{trainer.max_steps}  {numbers}"
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_said = False
         if self._enabled and trainer.is_global_zero and sys.stdout.isatty():
             from tqdm.auto import tqdm
 
@@ -59,7 +61,8 @@ class StepProgressBar(ProgressBar):
             self.bar.n = step
             self.bar.set_postfix(self._numbers(trainer, pl_module), refresh=False)
             self.bar.refresh()
-        elif self.bar is None and (step % self.plain_every == 0 or last):
+        elif self.bar is None and (step % self.plain_every == 0 or last or not self._first_said):
+            self._first_said = True
             log.info(self._line(trainer, pl_module))
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -115,6 +115,9 @@ def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -
     where = os.path.relpath(run_dir) if not os.path.relpath(run_dir).startswith("..") else str(run_dir)
     peak = summary.get("peak_memory_bytes")
     speed, steady = summary.get("tokens_per_sec"), summary.get("tokens_per_sec_after_warmup")
+    validated = summary.get("validation_step")
+    if shown and validated is not None and validated != summary.get("steps"):
+        shown[-1] += f" (its last validation, at step {validated})"
     lines = [
         f"{summary['status']} in {_duration(summary['wall_time_s'])}: " + (", ".join(shown) or "no validation"),
         f"  steps {summary['steps']}, tokens seen {_human(summary['tokens_seen'])}"
@@ -130,6 +133,14 @@ def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -
         lines.append(f"  TensorBoard  tensorboard --logdir {where}")
         lines.append(f"  figures      python experiments/plot_run.py {where}")
     return "\n".join(lines)
+
+
+def events_dir(trainer: pl.Trainer) -> Path | None:
+    """The folder of the run's TensorBoard events, if it logs to TensorBoard."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    board = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+    return Path(board.log_dir) if board is not None and board.log_dir else None
 
 
 def config_summary(cfg: DictConfig, info: dict[str, Any]) -> str:
@@ -166,7 +177,9 @@ def end_interrupted(err: BaseException, stop: Any, trainer: pl.Trainer, module: 
     if isinstance(err, SIGTERMException) and not trainer.fast_dev_run:
         trainer.save_checkpoint(last, weights_only=False)
     if trainer.is_global_zero:
-        write_summary(run_dir, trainer, module, elapsed_s, {**info, "interrupted_by": sig.name}, status="interrupted")
+        summary = write_summary(run_dir, trainer, module, elapsed_s, {**info, "interrupted_by": sig.name},
+                                status="interrupted")
+        report(end_block(summary, run_dir, events_dir(trainer)))  # where everything is; then how to go on
     return RunEnded(f"interrupted by {sig.name} at step {trainer.global_step}; saved {last}; "
                     "continue with the same command and resume=true", stop.exit_code)
 

@@ -18,7 +18,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, read_write
 from pytorch_lightning.callbacks import ProgressBar
-from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from attnres.atomic import read_json
@@ -52,6 +51,7 @@ from attnres.training.report import (
     end_block,
     end_interrupted,
     end_nonfinite,
+    events_dir,
     mark_running,
     report,
     share_log_file,
@@ -179,9 +179,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         if not trainer.is_global_zero:
             return {}
         summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
-        tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-        events = Path(tensorboard.log_dir) if tensorboard is not None and tensorboard.log_dir else None
-        report(end_block(summary, run_dir, events))
+        report(end_block(summary, run_dir, events_dir(trainer)))
         for line in finish_trackers(trainer.loggers, summary):  # their final numbers, then each run ends
             report(line)
         return summary

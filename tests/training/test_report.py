@@ -69,3 +69,23 @@ def test_the_start_line_shows_the_threads_and_threads_sets_them(tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     start = [line for line in (ran.stdout + ran.stderr).splitlines() if ", seed 0, " in line]
     assert len(start) == 1 and start[0].endswith(", seed 0, 1 thread"), start
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_prints_its_end_block_and_a_plain_log_speaks_after_the_first_step(tmp_path):
+    """Issue "The first hour", item 4: Ctrl-C skipped the end block; a plain log (stdout not a
+    terminal) said nothing for its first 100 steps."""
+    ran = run_cli(*tiny(steps=30, val_every=10, progress_bar=True), "hydra.run.dir=R",
+                  "+callbacks.fault._target_=faultinject.KillAt", "+callbacks.fault.step=15",
+                  "+callbacks.fault.sig=INT", cwd=tmp_path, env=faultinject_env())
+    assert ran.returncode == 130, ran.stderr[-3000:]
+    out = ran.stdout
+    assert re.search(r"step 1/30  ", out), out[-3000:]  # the first step's plain line (plain_every is 100)
+    block = out[out.index("interrupted in "):]
+    assert re.match(r"interrupted in [\d.]+ s: val/accuracy [\d.]+, val/loss [\d.]+ \(its last validation, at "
+                    r"step 10\)\n", block), block
+    for line in ("  steps 15, tokens seen", "  run folder   R", "  checkpoints  R/checkpoints/",
+                 "  metrics      R/metrics.json"):
+        assert line in block, block
+    assert "continue with the same command and resume=true" in ran.stderr
+    assert metrics(tmp_path / "R")["validation_step"] == 10
