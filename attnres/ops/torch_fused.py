@@ -145,11 +145,14 @@ def depth_attention_forward(
     is [y] and h the output before the norm, n (M,) its inverse RMS; else both None."""
     K, n = queries.shape[0], len(vals)
     if r_cache is not None:
-        r = r_cache.reshape(n, -1)
-    else:  # (n, M)
-        r = inv_rms(vals, eps) if isinstance(vals, Tensor) else torch.stack([inv_rms(v, eps) for v in vals])
-    # the logits of all K queries in one read of the sources
-    z = _logits(vals, queries).mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
+        r, z = r_cache.reshape(n, -1), _logits(vals, queries)
+    elif isinstance(vals, Tensor):  # (n, M); the logits of all K queries in one read of the sources
+        r, z = inv_rms(vals, eps), _logits(vals, queries)
+    else:  # a list: each source's statistic and logits back to back, so that the second read of it
+        # comes from cache (sources past the last-level cache were read from memory twice: 2x the time)
+        per_source = [(inv_rms(v, eps), v @ queries.T) for v in vals]
+        r, z = torch.stack([x for x, _ in per_source]), torch.stack([y for _, y in per_source])
+    z = z.mul_(r.unsqueeze(-1)).permute(2, 0, 1).contiguous()  # (K, n, M)
     zall = z if prefix_lse is None else torch.cat([prefix_lse.reshape(K, 1, -1), z], dim=1)  # (K, n', M)
     lse = torch.logsumexp(zall, dim=1)  # (K, M)
     alpha = _weights(zall, lse)  # (K, n', M)
