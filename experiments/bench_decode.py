@@ -7,7 +7,9 @@ forward) and the time per new token, split inside one generate call by a hook on
 Transformer that notes when each forward ends (per new token: the median step of the call).
 The strategies run in interleaved rounds (standard, block, full, then rotated), and every
 figure is given as a ratio to standard: the median over rounds of the round's own ratio, with
-the quartiles (the paired ratio of experiments/BENCHMARKS.md). Queries are random
+the quartiles (the paired ratio of experiments/BENCHMARKS.md). A third route, "steps", runs the
+same decoding with the strategies interleaved token by token (`lockstep`): its ratios pair steps
+run milliseconds apart, the figure to read on a busy machine. Queries are random
 (trained-looking weights, far from uniform).
 
 Shapes (`--shapes`, comma-separated; `gpu` ones are for experiments/gpu_check.sh):
@@ -18,6 +20,7 @@ Shapes (`--shapes`, comma-separated; `gpu` ones are for experiments/gpu_check.sh
     large        D 512, 12 layers, batch 8, 64-token prompt, 64 new   (the issue's second row)
     large-b1     the same at batch 1
     gpu-b1, gpu-b8   GPT-small (12 x 768), 512-token prompt, 128 new, batch 1 / 8, bf16
+    tiny         D 32, 2 layers, batch 2, 8-token prompt, 6 new (experiments/gpu_check.sh --dry)
 
     python experiments/bench_decode.py                          # CPU shapes, 1 thread, attnres generate
     python experiments/bench_decode.py --hf --shapes small,large   # also the Hugging Face generate()
@@ -42,6 +45,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere, without installing
 
 from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer  # noqa: E402
 from attnres.functional import KERNELS  # noqa: E402
+from attnres.model import KVCache  # noqa: E402
 
 SHAPES = {
     "small": {"n_layer": 8, "n_embd": 256, "n_head": 4, "batch": 1, "prompt": 64, "new": 128},
@@ -49,6 +53,7 @@ SHAPES = {
     "small-long": {"n_layer": 8, "n_embd": 256, "n_head": 4, "batch": 1, "prompt": 448, "new": 64},
     "large": {"n_layer": 12, "n_embd": 512, "n_head": 8, "batch": 8, "prompt": 64, "new": 64},
     "large-b1": {"n_layer": 12, "n_embd": 512, "n_head": 8, "batch": 1, "prompt": 64, "new": 64},
+    "tiny": {"n_layer": 2, "n_embd": 32, "n_head": 2, "batch": 2, "prompt": 8, "new": 6},  # gpu_check.sh --dry
     "gpu-b1": {"n_layer": 12, "n_embd": 768, "n_head": 12, "batch": 1, "prompt": 512, "new": 128},
     "gpu-b8": {"n_layer": 12, "n_embd": 768, "n_head": 12, "batch": 8, "prompt": 512, "new": 128},
 }
@@ -64,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategies", default="standard,block,full", help="comma-separated subset")
     p.add_argument("--num-blocks", type=int, default=4, help="Block AttnRes N (default 4)")
     p.add_argument("--kernel", default="auto", choices=KERNELS, help="depth-attention implementation (default auto)")
-    p.add_argument("--rounds", type=int, default=7, help="timed generate calls per strategy (default 7)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timed generate calls per strategy and route, and passes of the interleaved steps (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
     p.add_argument("--hf", action="store_true", help="also through the Hugging Face generate() (needs transformers)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1 on CPU)")
@@ -148,11 +154,9 @@ class ForwardClock:
         return self.ends[0] - start, statistics.median(steps) if steps else 0.0
 
 
-def generators(name: str, shape: dict, args: argparse.Namespace) -> dict[str, tuple]:
+def generators(model: Transformer, name: str, prompt: torch.Tensor, shape: dict,
+               args: argparse.Namespace) -> dict[str, tuple]:
     """{"attnres": (clock, fn), "hf": (clock, fn)}: one greedy generate call each."""
-    model = build(name, shape, args)
-    prompt = torch.randint(0, VOCAB, (shape["batch"], shape["prompt"]), generator=torch.Generator().manual_seed(1))
-    prompt = prompt.to(args.device)
     out = {"attnres": (ForwardClock(model, args.device),
                        lambda: model.generate(prompt, shape["new"], temperature=0))}
     if args.hf:
@@ -160,6 +164,41 @@ def generators(name: str, shape: dict, args: argparse.Namespace) -> dict[str, tu
         kw = {"max_new_tokens": shape["new"], "min_new_tokens": shape["new"], "do_sample": False,
               "pad_token_id": 0, "attention_mask": torch.ones_like(prompt)}
         out["hf"] = (ForwardClock(hf.transformer, args.device), lambda: hf.generate(prompt, **kw))
+    return out
+
+
+def rotated(names: list[str], i: int) -> list[str]:
+    return names[i % len(names):] + names[: i % len(names)]
+
+
+def lockstep(models: dict[str, Transformer], prompt: torch.Tensor, shape: dict, args: argparse.Namespace) -> dict:
+    """The "steps" route: greedy KV-cached decoding of every strategy advanced one token at a
+    time, the strategies interleaved step by step (rotated), so that the steps a ratio pairs ran
+    milliseconds apart: what a busy machine does to one it does to the other. The steps are
+    `Transformer.forward(token, kv_cache=...)`, what generate() runs, without its bookkeeping."""
+    names = list(models)
+    out = {n: {"prefill_s": [], "token_s": []} for n in names}
+    sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
+    for r in range(4 * args.rounds):  # the prompt's forward alone, interleaved, more often (one per pass below)
+        for n in rotated(names, r):
+            sync()
+            t = time.perf_counter()
+            models[n](prompt, kv_cache=KVCache(models[n].block_size))
+            sync()
+            out[n]["prefill_s"].append(time.perf_counter() - t)
+    for r in range(args.rounds):
+        caches = {n: KVCache(models[n].block_size) for n in names}
+        tokens = {}
+        for step in range(shape["new"]):
+            for n in rotated(names, r + step):
+                idx = prompt if step == 0 else tokens[n]
+                sync()
+                t = time.perf_counter()
+                logits = models[n](idx, kv_cache=caches[n])["logits"][:, -1]
+                sync()
+                if step:
+                    out[n]["token_s"].append(time.perf_counter() - t)
+                tokens[n] = logits.argmax(dim=-1, keepdim=True)
     return out
 
 
@@ -172,7 +211,10 @@ def paired(samples: list[float], base: list[float]) -> list[float]:
 
 def bench_shape(shape_name: str, args: argparse.Namespace) -> dict:
     shape = SHAPES[shape_name]
-    cases = {name: generators(name, shape, args) for name in args.strategies}
+    prompt = torch.randint(0, VOCAB, (shape["batch"], shape["prompt"]), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.to(args.device)
+    models = {name: build(name, shape, args) for name in args.strategies}
+    cases = {name: generators(models[name], name, prompt, shape, args) for name in models}
     routes = list(next(iter(cases.values())))
     samples = {(n, r): {"prefill_s": [], "token_s": []} for n in cases for r in routes}
     with torch.no_grad():
@@ -180,16 +222,17 @@ def bench_shape(shape_name: str, args: argparse.Namespace) -> dict:
             for route in routes:
                 for _ in range(args.warmup):
                     cases[name][route][1]()
-        names = list(cases)
         for i in range(args.rounds):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in rotated(list(cases), i):
                 for route in routes:
                     clock, fn = cases[name][route]
                     prefill, token = clock.run(fn)
                     samples[(name, route)]["prefill_s"].append(prefill)
                     samples[(name, route)]["token_s"].append(token)
+        for name, s in lockstep(models, prompt, shape, args).items():
+            samples[(name, "steps")] = s
     result = {"shape": shape, "routes": {}}
-    for route in routes:
+    for route in [*routes, "steps"]:
         base = samples[("standard", route)] if "standard" in cases else None
         rows = {}
         for name in cases:
@@ -207,7 +250,8 @@ def report(results: dict) -> None:
         print(f"\n{shape_name}: D {s['n_embd']}, {s['n_layer']} layers, batch {s['batch']}, "
               f"{s['prompt']}-token prompt, {s['new']} new")
         for route, rows in res["routes"].items():
-            print(f"  {route + ' generate()':22s} {'per new token':>30s} {'prefill':>30s}")
+            title = "steps, interleaved" if route == "steps" else route + " generate()"
+            print(f"  {title:22s} {'per new token':>30s} {'prefill':>30s}")
             for name, row in rows.items():
                 cells = []
                 for key in ("token_s", "prefill_s"):

@@ -11,7 +11,9 @@
 # ends, so a stage cut short by its time limit leaves what finished (at most 8 files: what a lent
 # device machine sends back): stages.json, summary.md, log.txt, and
 #   (a) a_tests.json    `-m gpu` over tests/, then tests/ops/test_kernels.py's Triton cases, on CUDA
-#   (b) b_bench.json    experiments/bench_residuals.py on GPT-small, --modes compiled, then eager
+#   (b) b_bench.json    experiments/bench_residuals.py on GPT-small, --modes compiled, then eager; then
+#                       experiments/bench_decode.py (KV-cached decoding and prefill, attnres and Hugging
+#                       Face generate(), batch 1 and 8), its figures under "decode"
 #   (c) c_runner.json   `attnres-run model=gpt-small` (python -m attnres), standard / Block N=8 / Full,
 #                       bf16-mixed, 200 steps, compile=false then true; tokens/s, MFU, peak memory,
 #                       and tokens/s over (b)'s bare train step on the same shape
@@ -30,9 +32,11 @@
 #   set-up     (rest) 15 s   preflight (import torch) + pip install of 11 small wheels + editable install
 #   (a)         60 /  45 s   2 pytest starts (~6 s) + ~60 Triton variants compiled (0.2-0.5 s each,
 #                            kernel_resources.py's figure, over 4 xdist workers) + 2 Inductor tests (~10 s)
-#   (b)        135 / 125 s   compiled: start 8 + 3 train graphs (40 + 25 + 25) + 3 prefill graphs (10 + 5 + 5)
-#                            + 3 x 13 steps (~0.1 s) = ~105 s; eager: start 8 + 3 x 13 train/prefill steps = ~20 s
-#   (c)        240 / 260 s   per run: start 8 + model init 3 + 200 steps x 40-60 ms + dashboards, probes,
+#   (b)        175 / 165 s   compiled: start 8 + 3 train graphs (40 + 25 + 25) + 3 prefill graphs (10 + 5 + 5)
+#                            + 3 x 13 steps (~0.1 s) = ~105 s; eager: start 8 + 3 x 13 train/prefill steps = ~20 s;
+#                            decode (2 rounds): start 10 + per shape 3 strategies x (2 generate routes x 3 calls + 2
+#                            interleaved passes) x 128 tokens x ~5 ms (eager decoding is launch-bound) = ~35 s
+#   (c)        200 / 260 s   per run: start 8 + model init 3 + 200 steps x 40-60 ms + dashboards, probes,
 #                            1.5 GB checkpoint x 2, validation = ~25 s; compile=true adds a train and an eval
 #                            graph (50 s first, 30 s then): 3 x 25 + 3 x 25 + 50 + 30 + 30 = 260 s, so the
 #                            last compiled run (Full) may be cut: c_runner.json then says so
@@ -50,8 +54,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
 PY="${PYTHON:-python3}"
 USAGE="usage: experiments/gpu_check.sh [--dry] [--out DIR] [--stages a,b,c,d,e] | --fetch-wheels"
-declare -A LIMIT=([a]=60 [b]=135 [c]=240 [d]=50 [e]=30)  # + set-up and collection: 540 s
-declare -A DRY_LIMIT=([a]=180 [b]=200 [c]=420 [d]=240 [e]=150)  # a CPU shared with others
+declare -A LIMIT=([a]=60 [b]=175 [c]=200 [d]=50 [e]=30)  # + set-up and collection: 540 s
+declare -A DRY_LIMIT=([a]=180 [b]=260 [c]=420 [d]=240 [e]=150)  # a CPU shared with others
 
 say() { echo "gpu_check.sh: $*"; }
 die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
@@ -89,18 +93,20 @@ stage_a() {  # the GPU-marked tests, then the Triton cases of the kernel tests (
   sub kernels 60 "$PY" "${common[@]}" -m "not gpu" -k triton tests/ops/test_kernels.py --junitxml="$d/kernels.xml"
 }
 
-stage_b() {  # bench_residuals.py on GPT-small (the --dry shape is tiny), compiled then eager
-  local d="$GC_SCRATCH/b" shape=()
+stage_b() {  # bench_residuals.py on GPT-small (the --dry shape is tiny), compiled then eager; then decoding
+  local d="$GC_SCRATCH/b" shape=() decode=(--shapes gpu-b1,gpu-b8 --rounds 2 --hf)
   if ((GC_DRY)); then
     shape=(--n-layer 2 --n-embd 32 --n-head 2 --seq-len 32 --batch 4 --vocab 64 --num-blocks 2 --steps 3
       --warmup 1 --kernel triton --threads 1)
+    decode=(--shapes tiny --rounds 1 --hf --kernel triton --num-blocks 2 --threads 1)
   fi
   if [[ ",$GC_COMPILE," == *,b,* ]]; then
-    RESERVE=30 sub compiled 100 "$PY" experiments/bench_residuals.py "${shape[@]}" --modes compiled --json "$d/compiled.json"
+    RESERVE=75 sub compiled 100 "$PY" experiments/bench_residuals.py "${shape[@]}" --modes compiled --json "$d/compiled.json"
   else
     echo "== compiled: skipped (--dry compiles in the stages of GPU_CHECK_DRY_COMPILE=$GC_COMPILE)"
   fi
-  sub eager 60 "$PY" experiments/bench_residuals.py "${shape[@]}" --modes eager --json "$d/eager.json"
+  RESERVE=45 sub eager 60 "$PY" experiments/bench_residuals.py "${shape[@]}" --modes eager --json "$d/eager.json"
+  sub decode 45 "$PY" experiments/bench_decode.py "${decode[@]}" --json "$d/decode.json"
 }
 
 stage_c() {  # the runner for real: standard, Block N=8 and Full, bf16-mixed, eager then compile=true

@@ -23,7 +23,8 @@ from typing import Any
 from gpu_check_env import write_json  # this folder, as for any script run from it
 
 FILES = {"a": "a_tests.json", "b": "b_bench.json", "c": "c_runner.json", "d": "d_summary.md", "e": "e_kernels.json"}
-TITLES = {"a": "GPU-marked tests and the Triton kernel tests", "b": "bench_residuals.py, compiled then eager",
+TITLES = {"a": "GPU-marked tests and the Triton kernel tests",
+          "b": "bench_residuals.py, compiled then eager; bench_decode.py",
           "c": "the runner: standard, Block N=8, Full; eager and compile=true", "d": "a sweep sharing the GPU",
           "e": "kernel_resources.py, and the kernels as the device loaded them"}
 STRATEGIES = ("standard", "block", "full")
@@ -116,6 +117,13 @@ def collect_b(scratch: Path) -> dict:
                                 for k in ("train_step_s", "prefill_s", "peak_train_bytes", "peak_prefill_bytes")},
             }
         out["modes"][mode] = table
+    decode = read(scratch / "decode.json")  # bench_decode.py: per shape and route, each strategy's ratios
+    if decode:
+        out["decode"] = {"info": decode.get("info"), "shapes": {
+            name: {"shape": res["shape"], "routes": {route: {n: {k: v for k, v in row.items() if k != "samples"}
+                                                             for n, row in rows.items()}
+                                                     for route, rows in res["routes"].items()}}
+            for name, res in decode.get("shapes", {}).items()}}
     return out
 
 
@@ -273,6 +281,12 @@ def headline(stage: str, data: dict) -> str:
             std = table.get("standard", {}).get("train_step_s")
             parts.append(f"{mode}: standard {std * 1e3:.1f} ms/step" + (", " + ", ".join(cells) if cells else "")
                          if std else f"{mode}: no standard row")
+        for name, res in (data.get("decode") or {}).get("shapes", {}).items():
+            rows = res["routes"].get("steps", {})
+            cells = [f"{n} {r['vs_standard']['token_s'][0]:.2f}x" for n, r in rows.items()
+                     if n != "standard" and "vs_standard" in r]
+            if cells:
+                parts.append(f"decode {name}: " + ", ".join(cells) + " per token")
         return "; ".join(parts) or "no figures"
     if stage == "c":
         parts = []

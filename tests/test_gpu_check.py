@@ -61,6 +61,15 @@ def check_b(b: dict) -> None:
     assert eager["standard"]["vs_standard"]["train_step_s"] == 1.0
     assert {"naive", "torch"} <= set(b["op"]["kernels"])
     assert b["invocations"]["eager"]["status"] == "ok"
+    assert b["invocations"]["decode"]["status"] == "ok"  # bench_decode.py, its figures under "decode"
+    routes = b["decode"]["shapes"]["tiny"]["routes"]
+    assert set(routes) == {"attnres", "hf", "steps"}
+    for route, rows in routes.items():
+        assert set(rows) == set(STRATEGIES), route
+        for name, row in rows.items():
+            assert positive(row["token_s"]) and positive(row["prefill_s"]), (route, name)
+            assert positive(row["vs_standard"]["token_s"][0]), (route, name)
+        assert rows["standard"]["vs_standard"]["token_s"][0] == 1.0
 
 
 def check_c(c: dict) -> None:
