@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from attnres.atomic import atomic_write, read_json
+from attnres.atomic import atomic_write, read_json, write_json
 from attnres.config.naming import split_overrides
 from attnres.results import summary_figure, verdict
 
@@ -134,6 +134,37 @@ def job_labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:
     keys = sorted({k for kv in overrides.values() for k in kv})
     varying = [k for k in keys if len({kv.get(k) for kv in overrides.values()}) > 1]
     return {n: ",".join(f"{k}={kv[k]}" for k in varying if k in kv) or n for n, kv in overrides.items()}
+
+
+#: a sweep folder's names of its jobs for TensorBoard's HParams table (`write_trial_names`)
+TRIAL_NAMES = "trial_names.json"
+
+
+def write_trial_names(sweep_dir: Path, overrides: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Name each job of a sweep (job folder -> its overrides) for TensorBoard's HParams table, where
+    a long run folder name shows as its first characters, the same for every job: the overrides that
+    differ between the jobs, then the sweep's folder name, `residual=block,seed=0 (quick)` (a name
+    TensorBoard groups by: unique across sweeps of one logdir, and across the earlier sweeps' runs in
+    this folder, whose overrides count too). Written to `<sweep_dir>/trial_names.json`, which each
+    job's `HParamsSummary` reads (`trial_name`); returns the names written."""
+    sweep_dir = Path(sweep_dir)
+    everyone = {d.relative_to(sweep_dir).as_posix(): job_overrides(d) for d in find_job_dirs(sweep_dir)}
+    everyone = {name: found for name, found in everyone.items() if found is not None}
+    everyone.update(overrides)
+    labels = job_labels(everyone)
+    earlier = read_json(sweep_dir / TRIAL_NAMES)
+    names = {**(earlier if isinstance(earlier, dict) else {}),
+             **{n: f"{labels[n]} ({sweep_dir.name})" for n in overrides}}
+    write_json(sweep_dir / TRIAL_NAMES, names)
+    return names
+
+
+def trial_name(run_dir: Path) -> str | None:
+    """The name its sweep gave this run for the HParams table (`write_trial_names`), or None."""
+    run_dir = Path(run_dir)
+    names = read_json(run_dir.parent / TRIAL_NAMES)
+    name = names.get(run_dir.name) if isinstance(names, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def config_labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:

@@ -37,6 +37,18 @@ from attnres.sweep.stopping import SweepStop, ignore_signals
 log = logging.getLogger(__name__)
 
 
+class _NoJoblibCall(logging.Filter):
+    """Drops the joblib launcher's `Joblib.Parallel(n_jobs=...,backend=loky,...) is launching N jobs`
+    line: a raw call of a library a user never named; the sweep says what it runs in its own line
+    (jobs to run and skipped, its slots) before Hydra lists the jobs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Joblib.Parallel(")
+
+
+logging.getLogger(joblib_launch.__module__).addFilter(_NoJoblibCall())
+
+
 class ParallelLauncher(AttnresLauncher, JoblibLauncher):
     """Hydra's joblib launcher, with device slots, dedup, resume and a sweep summary."""
 

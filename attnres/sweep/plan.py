@@ -6,6 +6,8 @@
 - Resume. With `resume=true`, finished jobs are skipped and unfinished ones continue from
   their last checkpoint. Without it (or `overwrite=true`), a sweep with a job whose folder
   already holds a run is refused before anything runs.
+- Names. Each job's name in TensorBoard's HParams table, the overrides that differ between the
+  jobs (`<sweep dir>/trial_names.json`, read by the job's `HParamsSummary`).
 - The exit status of `attnres-run -m` is 1 when a job of the sweep did not finish (`exit_status`).
 """
 
@@ -25,7 +27,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from attnres.atomic import read_json, write_json
 from attnres.config import costs
 from attnres.config.errors import ConfigError, user_errors
-from attnres.results.summary import collect_rows, status_counts
+from attnres.results.summary import (
+    DEFAULT_EXCLUDED,
+    collect_rows,
+    overrides_by_key,
+    status_counts,
+    write_trial_names,
+)
 from attnres.sweep.slots import lock_sweep_dir
 
 log = logging.getLogger(__name__)
@@ -99,11 +107,13 @@ def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: 
     `resume=true`) finished jobs are left out and recorded in `<sweep_dir>/jobs.json`. Raises
     ConfigError, touching nothing, when a job would replace a run without resume/overwrite, or
     when `check` (given the configs to run, before anything is recorded) raises it."""
-    to_run, notes, first_by_key, jobs, held = [], {}, {}, {}, []
+    to_run, notes, first_by_key, jobs, held, named = [], {}, {}, {}, [], {}
     for overrides in job_overrides:
         config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
         run_dir = sweep_dir / str(config.hydra.sweep.subdir)
         name = run_dir.relative_to(sweep_dir).as_posix()
+        excluded = OmegaConf.select(config, "hydra.job.config.override_dirname.exclude_keys", default=None)
+        named[name] = overrides_by_key([str(o) for o in overrides], DEFAULT_EXCLUDED if excluded is None else excluded)
         key = effective_key(config)
         if key in first_by_key:
             notes[name] = {"status": "duplicate", "same_as": first_by_key[key], "overrides": list(overrides)}
@@ -127,6 +137,7 @@ def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: 
     for line in costs.announce(to_run, skipped=len(job_overrides) - len(to_run)):  # experiments with `costs:`
         print(line, flush=True)
     write_json(sweep_dir / "jobs.json", notes)
+    write_trial_names(sweep_dir, named)  # the jobs' names in TensorBoard's HParams table
     sweep_jobs[folder_key(sweep_dir)] = jobs
     return to_run
 

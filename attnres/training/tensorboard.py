@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,6 +162,9 @@ class HParamsSummary(pl.Callback):
     differing across runs, which makes TensorBoard list them first and show them by default (it
     shows the first five hyperparameters: these, then the others by name).
 
+    A job of a sweep is named in the table by what differs between the sweep's jobs, as its sweep
+    planned it (`attnres.results.summary.write_trial_names`); a run alone, by its folder.
+
     Every run of a sweep over one kind of data writes the same experiment definition (same
     names, same types: a None is declared numeric and left empty, and TensorBoard then leaves
     that run out of the parallel coordinates), because TensorBoard reads it from one run only.
@@ -187,7 +191,10 @@ class HParamsSummary(pl.Callback):
         if hasattr(model, "num_parameters"):
             values["parameters"] = model.num_parameters()
         metrics = [tensorboard_tag(m) for m in logged_metrics(self.metrics, run_metric(trainer, pl_module))]
-        experiment, start, _ = hparams_summaries(values, metrics, varying=self.varying)
+        from attnres.results.summary import trial_name  # the name its sweep gave this run, if any
+
+        experiment, start, _ = hparams_summaries(values, metrics, varying=self.varying,
+                                                 trial=trial_name(Path(self._writer.get_logdir())))
         _write_summary(self._writer, experiment)
         _write_summary(self._writer, start)
 
@@ -204,9 +211,10 @@ class HParamsSummary(pl.Callback):
 
 
 def hparams_summaries(values: Mapping[str, Any], metrics: Sequence[str], status: str = "STATUS_SUCCESS",
-                      varying: Sequence[str] = ()) -> tuple:
+                      varying: Sequence[str] = (), trial: str | None = None) -> tuple:
     """(experiment, session start, session end) Summary protos of the HParams plugin; the
-    hyperparameters named in `varying` are declared as differing across the runs."""
+    hyperparameters named in `varying` are declared as differing across the runs. `trial` names
+    the run in the HParams table (its session group; TensorBoard shows the run folder without it)."""
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 
@@ -215,7 +223,7 @@ def hparams_summaries(values: Mapping[str, Any], metrics: Sequence[str], status:
         plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME, content=data.SerializeToString())
         return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
 
-    infos, start = [], plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+    infos, start = [], plugin_data_pb2.SessionStartInfo(start_time_secs=time.time(), group_name=trial or "")
     for name, value in values.items():
         if isinstance(value, bool):
             kind = "DATA_TYPE_BOOL"

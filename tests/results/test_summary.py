@@ -60,3 +60,24 @@ def test_summary_md_shows_only_the_columns_some_job_fills(tmp_path):
     write_sweep_summary(sweep)
     assert "error" in _md_header(sweep)  # now a job fills it
     assert "RuntimeError: boom" in (sweep / "summary.md").read_text()
+
+
+def test_trial_names_are_what_differs_between_the_jobs_and_stay_unique_in_the_folder(tmp_path):
+    from attnres.results.summary import TRIAL_NAMES, trial_name, write_trial_names
+
+    sweep = tmp_path / "quick"
+    long = "model.n_layer=2,num_blocks=2,residual={r},seed={s},trainer.max_steps=20"
+    jobs = {long.format(r=r, s=s): {"model.n_layer": "2", "num_blocks": "2", "residual": r, "seed": str(s),
+                                    "trainer.max_steps": "20"} for r in ("standard", "block") for s in (0, 1)}
+    for name, overrides in jobs.items():
+        _fake_job(sweep / name, [f"{k}={v}" for k, v in overrides.items()], None)
+    names = write_trial_names(sweep, jobs)
+    assert names[long.format(r="block", s=1)] == "residual=block,seed=1 (quick)"
+    assert len(set(names.values())) == 4
+    assert trial_name(sweep / long.format(r="standard", s=0)) == "residual=standard,seed=0 (quick)"
+    assert trial_name(tmp_path / "alone") is None and trial_name(sweep / "not-a-job") is None
+    # a later sweep into the same folder: the earlier runs' overrides count, so no name repeats one of theirs
+    _fake_job(sweep / "seed=0", ["residual=block", "seed=0", "model.n_layer=4"], None)
+    later = write_trial_names(sweep, {"seed=0": {"residual": "block", "seed": "0", "model.n_layer": "4"}})
+    assert later["seed=0"] == "model.n_layer=4,residual=block,seed=0 (quick)"
+    assert len(set(later.values())) == 5 and (sweep / TRIAL_NAMES).is_file()
