@@ -173,3 +173,33 @@ def test_bench_stopped_midway_keeps_what_finished(bench, tmp_path, monkeypatch):
     assert all(rows[n]["train_step_s"] > 0 and rows[n]["prefill_s"] > 0 for n in ("standard", "block", "full"))
     assert set(rows["standard"]) == set(rows["block"])  # every key there, the unmeasured ones None
     assert list(tmp_path.iterdir()) == [out]  # no temporary file left beside it
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_decode_bench_writes_every_route_and_ratio(tmp_path, capsys):
+    """experiments/bench_decode.py end to end at its tiny shape: attnres and Hugging Face
+    generate() and the interleaved steps, each strategy's per-token and prefill times and their
+    paired ratios to standard's (no timing asserted)."""
+    pytest.importorskip("transformers")
+    decode = _script("bench_decode")
+    out = tmp_path / "decode.json"
+    decode.main(["--shapes", "tiny", "--rounds", "2", "--hf", "--device", "cpu", "--json", str(out)])
+    results = json.loads(out.read_text())
+    routes = results["shapes"]["tiny"]["routes"]
+    assert set(routes) == {"attnres", "hf", "steps"}
+    new = decode.SHAPES["tiny"]["new"]
+    for route, rows in routes.items():
+        assert set(rows) == {"standard", "block", "full"}
+        for name, row in rows.items():
+            assert row["token_s"] > 0 and row["prefill_s"] > 0, (route, name)
+            ratio, low, high = row["vs_standard"]["token_s"]
+            assert low <= ratio <= high and (name != "standard" or ratio == 1.0)
+        steps = rows["block"]["samples"]["token_s"]  # generate: one median step per call; steps: every step
+        assert len(steps) == (2 * (new - 1) if route == "steps" else 2)
+    assert "steps, interleaved" in capsys.readouterr().out
+
+
+def test_decode_ratios_pair_each_round():
+    decode = _script("bench_decode")
+    assert decode.paired([1.0, 2.2, 3.3], [1.0, 2.0, 3.0])[0] == pytest.approx(1.1)
+    assert decode.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
