@@ -147,6 +147,21 @@ def _store_lock(tracking_uri: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+#: MLflow 3 files each experiment under GenAI apps or model training by this tag (else it guesses)
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+#: the UI's own query parameter that opens an experiment on its table of runs: MLflow 3.x's UI starts in
+#: its GenAI view (an empty traces page for these experiments) until the toggle says "Model training"
+RUNS_VIEW = "workflowType=machine_learning"
+
+
+def mlflow_where(tracking_uri: str, experiment_id: str) -> str:
+    """How to open an experiment's runs: the `mlflow ui` command for a local store, then the page."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}?{RUNS_VIEW}"
+    return (f"mlflow ui --backend-store-uri {tracking_uri}, then open "
+            f"http://127.0.0.1:5000/#/experiments/{experiment_id}?{RUNS_VIEW}")
+
+
 class MLflowLogger(Tracker, LightningMLFlowLogger):
     """Lightning's MLFlowLogger, one MLflow run per run folder: the experiment is `experiment_name`,
     else the sweep's folder for a sweep job and the config's `name` for a single run; the run is
@@ -190,6 +205,9 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
                 else:
                     self._experiment_id = self._mlflow_client.create_experiment(
                         self._experiment_name, artifact_location=self._artifact_location)
+                found = self._mlflow_client.get_experiment(self._experiment_id)
+                if EXPERIMENT_KIND not in (found.tags or {}):  # MLflow 3's UI then opens it on its runs
+                    self._mlflow_client.set_experiment_tag(self._experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
             if self._run_id is None and (self.tags or {}).get("attnres_run_dir"):
                 self.tags.update(self._earlier_runs(self.tags["attnres_run_dir"]))
             client = LightningMLFlowLogger.experiment.fget(self)
@@ -230,8 +248,7 @@ class MLflowLogger(Tracker, LightningMLFlowLogger):
         tags = [RunTag("attnres_status", str(summary.get("status")))]
         self.experiment.log_batch(run_id=self.run_id, metrics=metrics, tags=tags)
         self.close("success" if summary.get("status") == "finished" else "failed")
-        return (f"  MLflow       mlflow ui --backend-store-uri {self._tracking_uri}  "
-                f"(experiment {self._experiment_name}, run {self._run_name})")
+        return f"  MLflow       {mlflow_where(self._tracking_uri, self._experiment_id)}  (run {self._run_name})"
 
     @classmethod
     def log_sweep(cls, node: DictConfig, sweep_dir: Path, lines: Sequence[str],

@@ -191,6 +191,8 @@ def test_an_mlflow_run_killed_is_marked_and_tied_to_the_run_that_continues_it(tm
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = run_cli(*common, "resume=true", cwd=tmp_path, env=OFFLINE)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the end block names the page that opens the experiment on its runs (MLflow 3's UI starts on GenAI)
+    assert "then open http://127.0.0.1:5000/#/experiments/1?workflowType=machine_learning  (run R)" in resumed.stdout
     client = MlflowClient(f"sqlite:///{tmp_path}/outputs/mlflow.db")
     (experiment,) = [e for e in client.search_experiments() if e.name == "default"]
     first, second = sorted(client.search_runs([experiment.experiment_id]), key=lambda r: r.info.start_time)
@@ -199,6 +201,8 @@ def test_an_mlflow_run_killed_is_marked_and_tied_to_the_run_that_continues_it(tm
     assert second.data.tags["attnres_continues"] == first.info.run_id
     assert first.data.tags["attnres_continued_in"] == second.info.run_id
     assert first.data.tags["attnres_run_dir"] == second.data.tags["attnres_run_dir"] == str(tmp_path / "R")
+    # MLflow 3's UI opens an experiment of this kind on its runs, not on an empty GenAI traces page
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 # -- CSV -------------------------------------------------------------------------------------------
