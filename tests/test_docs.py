@@ -560,3 +560,9 @@ def test_the_layout_names_every_module():
 
 def test_the_docs_show_commands():
     assert len(COMMANDS_SHOWN) > 20 and all(c.text for c in COMMANDS_SHOWN)
+
+
+def test_every_installed_command_is_a_known_first_word():
+    """A block of `attnres-<new command>` lines is a command block, checked like the others."""
+    scripts = set(pyproject()["project"]["scripts"])
+    assert scripts <= COMMANDS, f"add {sorted(scripts - COMMANDS)} to COMMANDS"

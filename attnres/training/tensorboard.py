@@ -5,7 +5,7 @@ at the end of training, on the first `batches` validation batches: source knock-
 knock-out heatmap beside the mass heatmap, and their per-sublayer rank correlation
 [probe/routing]) and layer knock-outs [probe/layer_knockout], their raw arrays beside them
 [probe/routing_data, probe/layer_knockout_data], `probes.json` in the run folder and PNGs in
-its `plots/` (`write_probes`, shared with `experiments/probe_routing.py`).
+its `plots/` (`write_probes`, shared with `attnres-probe`, attnres/training/probe_runs.py).
 
 Rows with a single source (the first sublayer, and the first of Block AttnRes's first block)
 have entropy 0 and embedding weight 1 by construction: they stay in the heatmap, but get no
