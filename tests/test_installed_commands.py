@@ -126,8 +126,6 @@ def test_the_figures_line_of_the_readme_works_from_anywhere(installed, empty):
         assert (run / "plots" / "magnitude.png").is_file(), done.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="attnres/training/report.py still prints `python experiments/plot_run.py` "
-                                       "(issue 43: its figures line becomes `attnres-plot <run>`)")
 def test_the_figures_line_a_run_prints_works_from_anywhere(installed, empty):
     from attnres.training.report import end_block
 

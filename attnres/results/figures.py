@@ -1,4 +1,4 @@
-"""The dashboard figures, drawn once for TensorBoard and for `experiments/plot_run.py`.
+"""The dashboard figures, drawn once for TensorBoard and for `attnres-plot`.
 
 Every function takes numpy arrays and plain labels and returns a matplotlib `Figure` on an
 Agg canvas (no pyplot, no global backend switch, nothing left open). `render(tag, data,

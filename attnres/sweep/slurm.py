@@ -103,7 +103,7 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
         except KeyboardInterrupt:  # the jobs are the cluster's now: say how to follow them
             arrays = " ".join(sorted({job.job_id.split("_")[0] for job in jobs}))
             print(f"attnres-run: stopped waiting; the sweep's jobs keep running on the cluster (squeue -j {arrays}; "
-                  f"scancel {arrays} stops them); summarise them later with python experiments/summarize.py "
+                  f"scancel {arrays} stops them); summarise them later with attnres-summarize "
                   f"{sweep_dir}", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
 

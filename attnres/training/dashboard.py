@@ -12,7 +12,7 @@ and at the end of fit, and logs (tags in brackets; `<sub>` is `L03_mlp`-style, o
   training step of the same number [grad_norm/plot, grad_norm/layer_03].
 
 Each figure's raw array is logged beside it as a tensor summary ([depth/heatmap_data], ...)
-with its labels as plugin metadata, so `experiments/plot_run.py` redraws the same picture.
+with its labels as plugin metadata, so `attnres-plot` redraws the same picture.
 Nothing is hooked: the probe arms the strategy's `record_next()` for one no-grad forward, and
 gradient norms are read from `.grad` in `on_before_optimizer_step` on the logged steps only.
 """

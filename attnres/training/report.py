@@ -131,7 +131,7 @@ def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -
     lines.append(f"  metrics      {where}/metrics.json")
     if events_dir is not None:
         lines.append(f"  TensorBoard  tensorboard --logdir {where}")
-        lines.append(f"  figures      python experiments/plot_run.py {where}")
+        lines.append(f"  figures      attnres-plot {where}")
     return "\n".join(lines)
 
 
