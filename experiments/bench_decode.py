@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed generate calls per strategy and route, and passes of the interleaved steps (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
     p.add_argument("--hf", action="store_true", help="also through the Hugging Face generate() (needs transformers)")
+    p.add_argument("--steps-only", action="store_true",
+                   help="only the interleaved steps (no generate() calls): the tightest ratios, in less time")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1 on CPU)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -214,7 +216,7 @@ def bench_shape(shape_name: str, args: argparse.Namespace) -> dict:
     prompt = torch.randint(0, VOCAB, (shape["batch"], shape["prompt"]), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(args.device)
     models = {name: build(name, shape, args) for name in args.strategies}
-    cases = {name: generators(models[name], name, prompt, shape, args) for name in models}
+    cases = {name: {} if args.steps_only else generators(models[name], name, prompt, shape, args) for name in models}
     routes = list(next(iter(cases.values())))
     samples = {(n, r): {"prefill_s": [], "token_s": []} for n in cases for r in routes}
     with torch.no_grad():

@@ -132,3 +132,19 @@ def test_passes_that_need_the_two_phase_path_keep_it(when, monkeypatch):
             stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
         residual(x, sublayers)
     assert seen == []
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_pass_takes_sublayer_outputs_that_are_views(kernel):
+    """A sublayer may return a non-contiguous view; the one-pass kernels read it as it is."""
+    residual = strategy("block-N2", kernel)
+    linear = torch.nn.Linear(16, 16).double()
+
+    def transposed(h):  # (B, T, D), its memory laid out (T, B, D)
+        return torch.tanh(linear(h)).transpose(0, 1).contiguous().transpose(0, 1)
+
+    x = torch.randn(3, 2, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out = residual(x, [transposed] * 8)
+        residual.kernel = "naive"
+        torch.testing.assert_close(out, residual(x, [transposed] * 8), rtol=1e-12, atol=1e-12)

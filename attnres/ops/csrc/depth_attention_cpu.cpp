@@ -706,9 +706,10 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
 // cost is the mix's cost. So: one allocation (the result), the scratch on the stack, the tokens
 // on the calling thread, the query picked here rather than as a Python view. Per token as
 // `forward`: logits v_i . q r_i, the softmax over sources, the weighted sum, in T, rounded once.
-Tensor mix(const std::vector<Tensor>& vals, const Tensor& queries, int64_t row, double eps) {
+Tensor mix(std::vector<Tensor> vals, const Tensor& queries, int64_t row, double eps) {
   TORCH_CHECK(!vals.empty(), "depth attention needs at least one source");
   const auto dt = queries.scalar_type();
+  prepare(vals, dt);  // no copy for contiguous sources of the queries' dtype (a sublayer may return a view)
   const at::IntArrayRef shape = vals[0].sizes();
   const int64_t n = vals.size(), d = queries.size(-1), m = vals[0].numel() / std::max<int64_t>(d, 1);
   TORCH_CHECK(queries.dim() == 2 && queries.is_contiguous() && row >= 0 && row < queries.size(0),
