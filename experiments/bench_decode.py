@@ -43,7 +43,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere, without installing
 
-from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer  # noqa: E402
+import attnres  # noqa: E402
+from attnres import Transformer  # noqa: E402
 from attnres.functional import KERNELS  # noqa: E402
 from attnres.model import KVCache  # noqa: E402
 
@@ -66,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated, from {', '.join(SHAPES)} (default CPU: {CPU_SHAPES}; CUDA: gpu-b1,gpu-b8)")
-    p.add_argument("--strategies", default="standard,block,full", help="comma-separated subset")
+    p.add_argument("--strategies", default="standard,block,full",
+                   help=f"comma-separated, from {', '.join(STRATEGIES)}; standard first (the ratios' base)")
     p.add_argument("--num-blocks", type=int, default=4, help="Block AttnRes N (default 4)")
     p.add_argument("--kernel", default="auto", choices=KERNELS, help="depth-attention implementation (default auto)")
     p.add_argument("--rounds", type=int, default=5,
@@ -88,18 +90,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown shape {unknown[0]!r}; choose from {', '.join(SHAPES)}")
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if not set(args.strategies) <= {"standard", "block", "full"}:
-        p.error(f"--strategies takes standard, block and full, got {args.strategies}")
+    if not set(args.strategies) <= set(STRATEGIES):
+        p.error(f"--strategies takes {', '.join(STRATEGIES)}, got {args.strategies}")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     if args.threads is None and not cuda:
         args.threads = 1
     return args
 
 
+#: every strategy of conf/residual/ (by its YAML's name): its class and the options this script sets
+STRATEGIES = {"standard": "StandardResidual", "block": "BlockAttentionResidual", "full": "FullAttentionResidual",
+              "denseformer": "DenseFormerResidual", "hc": "HyperConnectionResidual",
+              "mhc": "ManifoldHyperConnectionResidual", "kimi": "BlockAttentionResidual"}
+
+
+def strategy_options(name: str, args: argparse.Namespace) -> dict:
+    if name == "block":
+        return {"num_blocks": args.num_blocks, "kernel": args.kernel}
+    if name == "kimi":  # K3's layout (conf/residual/kimi.yaml), one decoder layer a block (these models are shallow)
+        return {"block_size_layers": 1, "eps": 1e-5, "query_init_std": 0.02, "kernel": args.kernel}
+    return {"kernel": args.kernel} if name == "full" else {}
+
+
 def strategy(name: str, args: argparse.Namespace):
-    return {"standard": StandardResidual,
-            "block": functools.partial(BlockAttentionResidual, num_blocks=args.num_blocks, kernel=args.kernel),
-            "full": functools.partial(FullAttentionResidual, kernel=args.kernel)}[name]
+    return functools.partial(getattr(attnres, STRATEGIES[name]), **strategy_options(name, args))
 
 
 def build(name: str, shape: dict, args: argparse.Namespace) -> Transformer:
@@ -115,10 +129,7 @@ def build(name: str, shape: dict, args: argparse.Namespace) -> Transformer:
 def hf_model(name: str, model: Transformer, shape: dict, args: argparse.Namespace):
     from attnres.hf import AttnResConfig, AttnResForCausalLM
 
-    residual = {"standard": {"_target_": "attnres.StandardResidual"},
-                "block": {"_target_": "attnres.BlockAttentionResidual", "num_blocks": args.num_blocks,
-                          "kernel": args.kernel},
-                "full": {"_target_": "attnres.FullAttentionResidual", "kernel": args.kernel}}[name]
+    residual = {"_target_": f"attnres.{STRATEGIES[name]}", **strategy_options(name, args)}
     config = AttnResConfig(transformer={"vocab_size": VOCAB, "n_layer": shape["n_layer"], "n_head": shape["n_head"],
                                         "n_embd": shape["n_embd"], "block_size": shape["prompt"] + shape["new"]},
                            residual=residual)
