@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -115,12 +116,17 @@ def _build() -> None:
             continue
         try:
             with _exclusive(build_dir):
-                if not (build_dir / f"{name}.so").exists():
+                compiling = not (build_dir / f"{name}.so").exists()
+                if compiling:
                     print("attnres: compiling the fused CPU depth-attention kernel (once per machine, about 30 s; "
                           "residual.kernel=torch skips it)", file=sys.stderr, flush=True)
+                started = time.perf_counter()
                 cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
                                    extra_ldflags=["-fopenmp"] if openmp else None, is_python_module=False,
                                    build_directory=str(build_dir), verbose=False)
+                if compiling:
+                    print(f"attnres: the fused CPU kernel is built ({time.perf_counter() - started:.0f} s; "
+                          f"cached in {build_dir})", file=sys.stderr, flush=True)
             break
         except Exception as exc:  # noqa: BLE001  (the OpenMP build failed: try the one-thread build; its failure is raised)
             if not openmp or "interrupted" in str(exc):  # ninja stopped by a signal: no verdict on OpenMP

@@ -6,6 +6,7 @@ tests/test_kernels.py, with the other implementations."""
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import signal
 import subprocess
@@ -192,3 +193,21 @@ def test_an_interrupted_openmp_build_is_not_taken_for_a_failed_one(fresh_state, 
     with pytest.raises(RuntimeError, match="interrupted by user"):
         cpu_fused._build()
     assert not list(tmp_path.rglob(cpu_fused.OPENMP_FAILED))
+
+
+def test_a_build_says_when_it_is_done_and_how_long_it_took(fresh_state, tmp_path, capsys):
+    """Issue "The first hour", item 4: the build said "compiling ... about 30 s" and then nothing."""
+    from torch.utils import cpp_extension
+
+    assert cpu_fused.available()  # the real kernel is loaded: the stand-in build below only records
+    fresh_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    fresh_state.setattr(cpp_extension, "load", lambda **kw: None)
+    cpu_fused._build()
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith("attnres: compiling the fused CPU depth-attention kernel")
+    assert len(said) == 2 and said[1].startswith("attnres: the fused CPU kernel is built ("), said
+    assert re.search(r"is built \(\d+ s; cached in .+\)$", said[1]), said
+    for lock in tmp_path.rglob("attnres.lock"):  # what a finished build leaves in its folder
+        (lock.parent / f"{lock.parent.name}.so").write_text("")
+    cpu_fused._build()  # already built: a later process says nothing
+    assert capsys.readouterr().err == ""
