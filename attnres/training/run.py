@@ -71,6 +71,9 @@ warnings.filterwarnings("ignore", message=r"The `srun` command is available on y
 # the validation numbers are summed over ranks by hand (lit.py, on_validation_epoch_end) before they
 # are logged, so Lightning's advice to let it average them again (sync_dist=True) does not apply
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
+# a resumed run's checkpoint folder holds its checkpoints by design: the refusal of a folder that
+# holds a run (resume=true, overwrite=true, attnres/training/checkpoints.py) is what guards it
+warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 # Lightning's start and stop lines ("GPU available: ...", "`Trainer.fit` stopped: ...") say nothing
 # the run's own start and end lines do not say better
 _QUIET = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.fit` stopped")
