@@ -30,8 +30,12 @@ def explain(cfg: DictConfig, err: Exception) -> str | None:
     entry of the table `a` (or `a.b`), or for one whose resolver refused its arguments with a
     ConfigError of its own (`budget=abc`); None when the error is something else."""
     cause: BaseException | None = err
-    while cause is not None and not isinstance(cause, ConfigError):
+    seen: set[int] = set()
+    while cause is not None and not isinstance(cause, ConfigError) and id(cause) not in seen:
+        seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
+    if cause is not None and not isinstance(cause, ConfigError):
+        cause = None
     if cause is not None:  # a resolver of ours (attnres.steps, ...) refused its arguments: its words name the fix
         return str(cause)
     match = MISSING.search(str(err)) if isinstance(err, InterpolationKeyError) else None
