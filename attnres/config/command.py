@@ -26,7 +26,7 @@ from typing import Any
 from attnres.config.compose import check_jobs, hydra_on, parse_overrides
 from attnres.config.errors import ConfigError
 
-GROUPS_CHECKED = ("residual", "model", "data", "trainer", "optim", "logger", "callbacks", "experiment", "debug")
+GROUPS_CHECKED = ("residual", "model", "data", "trainer", "optim", "logger", "callbacks", "experiment", "debug", "tune")
 
 
 # == 1. the shape of the command line =================================================================

@@ -40,7 +40,8 @@ STRATEGY_KEYS = ("residual", "num_blocks")
 STATUS_ORDER = ("finished", "failed", "interrupted", "cancelled", "preempted", "timed out", "lost", "unfinished",
                 "duplicate")
 #: the keys that do not name a run folder (conf/config.yaml: hydra.job.config.override_dirname)
-DEFAULT_EXCLUDED = ("name", "resume", "ckpt_path", "overwrite", "trainer.enable_progress_bar", "data.num_workers")
+DEFAULT_EXCLUDED = ("name", "tune", "resume", "ckpt_path", "overwrite", "trainer.enable_progress_bar",
+                    "data.num_workers")
 
 
 def find_job_dirs(sweep_dir: Path) -> list[Path]:
@@ -75,7 +76,7 @@ def overrides_by_key(overrides: list[str], excluded: Any = ()) -> dict[str, str]
     parsed = {}
     for item in overrides:
         key, sep, value = item.partition("=")
-        if sep and key.lstrip("+~") not in excluded:
+        if sep and key.lstrip("+~") not in excluded and not key.startswith("hydra."):  # hydra.*: names no job
             parsed[key] = value
     return parsed
 

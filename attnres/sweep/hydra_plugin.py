@@ -2,10 +2,15 @@
 class is defined in: the wheel maps this file to `hydra_plugins/attnres_launcher/__init__.py`
 (see pyproject.toml), so that `hydra/launcher=parallel` can name
 `hydra_plugins.attnres_launcher.ParallelLauncher` (and `hydra/launcher=slurm`
-`hydra_plugins.attnres_launcher.SlurmLauncher`). The code is in attnres.sweep.launcher and
-attnres.sweep.slurm (which needs the `slurm` extra: hydra-submitit-launcher)."""
+`hydra_plugins.attnres_launcher.SlurmLauncher`), and the tuned sweeper (`hydra/sweeper=tuned`,
+chosen by `tune=lr`) `hydra_plugins.attnres_launcher.TunedSweeper`. The code is in attnres.sweep.launcher,
+attnres.sweep.tuned and attnres.sweep.slurm (which needs the `slurm` extra: hydra-submitit-launcher)."""
 
-from attnres.sweep import launcher
+from attnres.sweep import launcher, tuned
+
+
+class TunedSweeper(tuned.TunedSweeper):
+    __doc__ = tuned.TunedSweeper.__doc__
 
 
 class ParallelLauncher(launcher.ParallelLauncher):

@@ -136,15 +136,19 @@ def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: 
         check([config for _, config in to_run])
     for line in costs.announce(to_run, skipped=len(job_overrides) - len(to_run)):  # experiments with `costs:`
         print(line, flush=True)
+    # a sweep that launches several batches (the tuned sweeper's stages) records them all
+    notes = sweep_notes.setdefault(folder_key(sweep_dir), {}) | notes
+    sweep_notes[folder_key(sweep_dir)] = notes
     write_json(sweep_dir / "jobs.json", notes)
     write_trial_names(sweep_dir, named)  # the jobs' names in TensorBoard's HParams table
-    sweep_jobs[folder_key(sweep_dir)] = jobs
+    sweep_jobs[folder_key(sweep_dir)] = sweep_jobs.get(folder_key(sweep_dir), {}) | jobs
     return to_run
 
 
 # -- how the sweep ended -----------------------------------------------------------------------------
 #: the jobs of the sweeps run by this process: sweep folder -> {job folder: the job it duplicates}
 sweep_jobs: dict[str, dict[str, str | None]] = {}
+sweep_notes: dict[str, dict[str, Any]] = {}  # sweep folder -> its jobs.json, over the batches this process launched
 outcomes: dict[str, Counter] = {}  # sweep folder -> how its jobs ended (record_outcome)
 OK_STATUSES = ("finished", "duplicate")  # any other status of a job makes the exit status 1
 summary_unwritten: list[Path] = []  # sweep folders whose summary a full disk refused (SweepSummary)

@@ -1,7 +1,7 @@
 """The reproduction study: which of the Attention Residuals paper's claims does a CPU resolve?
 
     python experiments/reproduce/run.py                   # every part (about 2 hours on 2 free cores), then REPORT.md
-    python experiments/reproduce/run.py --parts ordering  # one part: prepare, ordering, blocksize, depth, ladder
+    python experiments/reproduce/run.py --parts ordering  # one part: prepare, ordering, blocksize, depth, tuned, ladder
     python experiments/reproduce/run.py --report-only     # rebuild REPORT.md from the runs so far
 
 Part `prepare` tokenizes the stdlib with a 1,024-token BPE into experiments/reproduce/data/stdlib-1k
@@ -57,6 +57,10 @@ PARTS = (
     Part("depth", "Figure 7's direction at equal non-embedding parameters: Block S=2 minus standard at the "
                   "shallow shape (2 x 80) against the deep one (8 x 40, from parts ordering and blocksize)",
          (Sweep("depth", (*STUDY, "shape=shallow", "residual=standard,block", "num_blocks=2", SEEDS)),)),
+    Part("tuned", "Block N=4 against standard at the deep shape, each arm at its own learning rate: a 5-point "
+                  "log grid (factor 2 around 3e-3) on tuning seeds 1000 and 1001, grown at an edge, then 5 "
+                  "verdict seeds at each arm's best (docs/sweeps.md#tuned-comparisons)",
+         (Sweep("tuned", (*STUDY, "shape=deep", "tune=lr", "residual=standard,block", "num_blocks=4", SEEDS)),)),
     Part("ladder", "the compute multiplier of Block N=8 over standard on a four-rung ladder (8 layers, width "
                    "16, 24, 32 at 3 seeds, and 40 from parts ordering and blocksize; 25 tokens per parameter)",
          (Sweep("ladder", (*STUDY, "shape=w16,w24,w32", "residual=standard,block", "num_blocks=8",

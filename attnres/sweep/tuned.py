@@ -1,0 +1,414 @@
+"""`hydra/sweeper=tuned` (`tune=lr`, `tune=optuna`): each arm of a sweep at its own best.
+
+`attnres-run -m tune=lr residual=standard,block seed=0,1,2,3,4` has two arms (every combination of
+the swept keys but `seed`) and five verdict seeds. Two stages, each a batch (or several) handed to
+the configured launcher (parallel slots or SLURM), so every launcher, dedup, resume and Ctrl-C work
+as in any sweep:
+
+1. search: for every arm, the same search on the tuning seeds (`tuning_seeds`, never a verdict
+   seed): a log grid around the arm's configured value (`method: grid`, grown at an edge where the
+   arm's best lies on it, `max_extend` points at most) or an Optuna study (`method: optuna`,
+   `tuned_optuna.py`). The trials' run folders go to `<sweep>/tuning/`.
+2. verdict: every job of the command line at its arm's choice (the lowest mean `metric` over the
+   tuning seeds; the verdict seeds' runs are not read while choosing).
+
+With `proxy` (say `{size: 194m}`), the search runs at the proxy alone and each size's jobs run at
+their arm's choice: a relative value carries over as the same multiple of that job's configured
+value. `tuning/tuning.json` records the search; the summary (`attnres.results.tuned_summary`)
+leads with the tuned verdict. A resumed sweep (`resume=true`) redoes no finished trial and
+replays the same decisions; a resume whose search settings changed is refused, naming them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import DictConfig, OmegaConf
+
+from attnres.atomic import read_json
+from attnres.config.errors import ConfigError, user_errors
+from attnres.results import tuning
+from attnres.results.summary import config_labels, overrides_by_key
+from attnres.sweep import plan, stopping
+
+log = logging.getLogger(__name__)
+
+TUNE_GROUP = "tune"  # the config group that picks this sweeper: not part of an arm's name
+
+
+class TunedSweeper(Sweeper):
+    """Hydra sweeper: a search per arm on the tuning seeds, then each arm at its best (module doc)."""
+
+    def __init__(self, method: str = "grid", tuning_seeds: Sequence[int] = (1000, 1001), metric: str = "val/loss",
+                 grid: Mapping[str, Any] | None = None, optuna: Mapping[str, Any] | None = None,
+                 baseline: str | None = None, proxy: Mapping[str, Any] | None = None, untuned: bool = False,
+                 params: Mapping[str, str] | None = None) -> None:
+        super().__init__()
+        grid, optuna, proxy, params = (_plain(x) for x in (grid, optuna, proxy, params))
+        self.method, self.metric, self.baseline, self.untuned = str(method), str(metric), baseline, bool(untuned)
+        self.tuning_seeds = [int(s) for s in tuning_seeds]
+        self.grid = {"keys": ["optim.optimizer.lr"], "points": 5, "factor": 2.0, "max_extend": 3, **(grid or {})}
+        self.optuna = dict(optuna or {})
+        self.proxy = {str(k): str(v) for k, v in (proxy or {}).items()}
+        self.params = dict(params or {})
+        self.config: DictConfig | None = None
+        self.hydra_context: Any = None
+        self.launcher: Any = None
+        self.job_idx = 0
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
+
+    # -- the plan --------------------------------------------------------------------------------------
+    def signature(self) -> dict[str, Any]:
+        """What defines the search (tuning.SEARCH_FIELDS): a resume must not change it."""
+        grid = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.grid.items()}
+        space = self.optuna
+        return {"method": self.method, "metric": self.metric, "tuning_seeds": self.tuning_seeds,
+                "grid": grid if self.method == "grid" else None, "optuna": space if self.method == "optuna" else None,
+                "proxy": self.proxy, "baseline": self.baseline}
+
+    def jobs_of(self, arguments: Sequence[str]) -> list[list[str]]:
+        """The command line's jobs (the basic sweeper's cross product). They keep the `tune=` choice:
+        a job is composed with the sweep's hydra overrides (`hydra.sweeper.grid.points=3`), which need
+        this sweeper's config; `tune` names no run folder (conf/config.yaml's exclude_keys)."""
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+        lines = [f"{k}={v}" for k, v in self.params.items()] + list(arguments)
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        jobs = BasicSweeper.split_arguments(parser.parse_overrides(lines), None)[0]
+        return [list(job) for job in jobs]
+
+    def compose(self, overrides: Sequence[str]) -> DictConfig:
+        return self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+
+    def run_dir(self, overrides: Sequence[str]) -> tuple[str, Path]:
+        """A job's folder name relative to the sweep folder, and its path."""
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        path = sweep_dir / str(self.compose(overrides).hydra.sweep.subdir)
+        return path.relative_to(sweep_dir).as_posix(), path
+
+    def check(self, jobs: list[list[str]]) -> None:
+        """The refusals before anything runs, each one line (exit 2)."""
+        if self.method not in ("grid", "optuna"):
+            raise ConfigError(f"hydra.sweeper.method={self.method} is not a search method; use grid or optuna")
+        if not self.tuning_seeds:
+            raise ConfigError("hydra.sweeper.tuning_seeds is empty; give the search at least one seed, "
+                              "e.g. hydra.sweeper.tuning_seeds=[1000,1001]")
+        verdict = {s for job in jobs for s in _seeds(job)} or {int(self.config.seed)}
+        shared = sorted(verdict & set(self.tuning_seeds))
+        if shared:
+            raise ConfigError(
+                f"seed {', '.join(map(str, shared))} is both a tuning seed and a verdict seed: a verdict must not "
+                "read the runs its arms were chosen on; pick verdict seeds outside hydra.sweeper.tuning_seeds="
+                f"{self.tuning_seeds}, or set hydra.sweeper.tuning_seeds to other seeds")
+        if self.method == "grid":
+            points, factor, extend = self.grid["points"], self.grid["factor"], self.grid["max_extend"]
+            if not isinstance(points, int) or points < 1 or points % 2 == 0:
+                raise ConfigError(f"hydra.sweeper.grid.points={points} must be an odd number of points (the "
+                                  "configured value in the middle), e.g. 5")
+            if not isinstance(factor, (int, float)) or factor <= 1:
+                raise ConfigError(f"hydra.sweeper.grid.factor={factor} must be above 1, e.g. 2")
+            if not isinstance(extend, int) or extend < 0:
+                raise ConfigError(f"hydra.sweeper.grid.max_extend={extend} must be 0 or more, e.g. 3")
+            if not self.grid["keys"]:
+                raise ConfigError("hydra.sweeper.grid.keys is empty; name the keys to search, "
+                                  "e.g. hydra.sweeper.grid.keys=[optim.optimizer.lr]")
+        searched = self.searched_keys()
+        for job in jobs:
+            for key in overrides_by_key(job):
+                if key.lstrip("+~") in searched or any(key.startswith(f"{k}.") or k.startswith(f"{key}.")
+                                                       for k in searched):
+                    raise ConfigError(f"{key} is both searched (hydra.sweeper) and set on the command line; "
+                                      f"leave {key}=... out, or search other keys")
+
+    def searched_keys(self) -> list[str]:
+        if self.method == "grid":
+            return [str(k) for k in self.grid["keys"]]
+        return [str(k) for k in (self.optuna.get("space") or {})]
+
+    def is_baseline(self, overrides: Sequence[str], cfg: DictConfig) -> bool:
+        spec = self.baseline or "residual=standard"
+        key, _, value = spec.partition("=")
+        chosen = cfg.hydra.runtime.choices.get(key) if key in cfg.hydra.runtime.choices else \
+            OmegaConf.select(cfg, key, default=None)
+        return str(overrides_by_key(list(overrides)).get(key, chosen)) == value
+
+    def baseline_keys(self) -> tuple[str, ...]:
+        key = (self.baseline or "residual=standard").partition("=")[0]
+        return (key, "num_blocks") if key == "residual" else (key,)
+
+    # -- the sweep ---------------------------------------------------------------------------------------
+    def sweep(self, arguments: list[str]) -> Any:
+        assert self.config is not None and self.launcher is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        with user_errors():
+            jobs = self.jobs_of(arguments)
+            if not jobs:
+                raise plan.no_jobs_error(self.config)
+            self.check(jobs)
+            state = self.start_state(sweep_dir, jobs)
+        if self.method == "grid":
+            done = self.grid_search(sweep_dir, state)
+        else:
+            from attnres.sweep.tuned_optuna import optuna_search
+
+            done = optuna_search(self, sweep_dir, state)
+        if not done:  # stopped (Ctrl-C, SIGTERM): the summary says how far it got
+            return None
+        self.verdict_stage(sweep_dir, state)
+        return None
+
+    def start_state(self, sweep_dir: Path, jobs: list[list[str]]) -> dict[str, Any]:
+        """The search's groups and the verdict's arms, checked against a resumed sweep's record."""
+        before = tuning.read_state(sweep_dir)
+        signature = self.signature()
+        resuming = bool(self.config.get("resume")) and not self.config.get("overwrite")
+        if resuming and before.get("signature"):
+            changed = tuning.changed_fields(before["signature"], signature)
+            if changed:
+                raise ConfigError(
+                    f"the search changed since this tuned sweep started in {sweep_dir}: {', '.join(changed)}; run it "
+                    "with the settings it started with, or pass name=<new name> (overwrite=true starts it again)")
+        proxy_keys = set(self.proxy)
+        groups: dict[tuple[str, ...], dict[str, Any]] = {}
+        arms: dict[tuple[str, ...], dict[str, Any]] = {}
+        for job in jobs:
+            arm_key = tuple(o for o in job if _key(o) != "seed")
+            group_key = tuple(o for o in arm_key if _key(o) not in proxy_keys)
+            groups.setdefault(group_key, {"overrides": list(group_key)})
+            arm = arms.setdefault(arm_key, {"overrides": list(arm_key), "group": group_key, "seeds": []})
+            arm["seeds"] += _seeds(job) or [int(self.config.seed)]
+        glabels = config_labels({str(i): overrides_by_key(list(k), (TUNE_GROUP,)) for i, k in enumerate(groups)})
+        alabels = config_labels({str(i): overrides_by_key(list(k), (TUNE_GROUP,)) for i, k in enumerate(arms)})
+        for i, group in enumerate(groups.values()):
+            group["label"] = glabels[str(i)]
+            cfg = self.compose(self.trial_overrides(group, {}, self.tuning_seeds[0]))
+            group["centre"] = {k: v for k in self.searched_keys()
+                               if isinstance(v := OmegaConf.select(cfg, k, default=None), (int, float))
+                               and not isinstance(v, bool)}
+            if not group["centre"]:
+                raise ConfigError(f"{', '.join(self.searched_keys())}: no numeric value in the config of "
+                                  f"{group['label']}; search keys the config sets to a number "
+                                  "(docs/sweeps.md#tuned-comparisons)")
+            group["tokens_per_trial"] = _tokens(cfg)
+            group["trials"] = []
+        for i, arm in enumerate(arms.values()):
+            arm["label"] = alabels[str(i)]
+            cfg = self.compose([*arm["overrides"], f"seed={arm['seeds'][0]}"])
+            arm["is_baseline"] = self.is_baseline(arm["overrides"], cfg)
+            arm["group"] = groups[arm["group"]]["label"]
+        drop = set(self.baseline_keys())
+        for arm in arms.values():
+            rest = [o for o in arm["overrides"] if _key(o) not in drop]
+            arm["baseline"] = None if arm["is_baseline"] else next(
+                (b["label"] for b in arms.values() if b["is_baseline"]
+                 and [o for o in b["overrides"] if _key(o) not in drop] == rest), None)
+        state = {"signature": signature, "tuning_seeds": self.tuning_seeds,
+                 "groups": list(groups.values()), "arms": list(arms.values()), "stage": "search"}
+        self.announce(state)
+        return state
+
+    def trial_overrides(self, group: Mapping[str, Any], values: Mapping[str, Any], seed: int) -> list[str]:
+        raw = OmegaConf.to_container(self.config.hydra.sweep, resolve=False)["subdir"]
+        return [*group["overrides"], *(f"{k}={v}" for k, v in self.proxy.items()),
+                *(f"{k}={tuning.format_value(v)}" for k, v in values.items()), f"seed={seed}",
+                f"hydra.sweep.subdir='{tuning.TUNING_DIR}/{raw}'"]
+
+    def announce(self, state: Mapping[str, Any]) -> None:
+        groups, arms = state["groups"], state["arms"]
+        seeds = sorted({s for a in arms for s in a["seeds"]})
+        if self.method == "grid":
+            per = self.grid["points"] * len(self.tuning_seeds)
+            how = (f"{self.grid['points']}-point log grid (factor {self.grid['factor']:g}) of "
+                   f"{', '.join(self.grid['keys'])}, up to {self.grid['max_extend']} more points a side at an edge")
+        else:
+            per = int(self.optuna.get("trials", 12)) * len(self.tuning_seeds)
+            how = f"Optuna ({self.optuna.get('sampler', 'tpe')}), {self.optuna.get('trials', 12)} trials of " + \
+                  ", ".join(self.searched_keys())
+        proxy = f" at {', '.join(f'{k}={v}' for k, v in self.proxy.items())}" if self.proxy else ""
+        print(f"tuned sweep: {len(arms)} arm{'s' * (len(arms) != 1)}; search{proxy}: {how}, on tuning seeds "
+              f"{', '.join(map(str, self.tuning_seeds))}: {per * len(groups)} runs ({per} per arm); verdict: "
+              f"{sum(len(a['seeds']) for a in arms)} runs on seeds {', '.join(map(str, seeds))}"
+              + (", and as many at the configured values (untuned=true)" if self.untuned else ""), flush=True)
+        hours = _gpu_hours([self.compose(self.trial_overrides(g, {}, self.tuning_seeds[0])) for g in groups])
+        if hours is not None:
+            verdict = _gpu_hours([self.compose([*a["overrides"], f"seed={s}"]) for a in arms for s in a["seeds"]])
+            print(f"  about {hours * per:,.1f} GPU-hours of search trials (more if a grid grows), and "
+                  f"{verdict or 0:,.1f} GPU-hours of verdict runs (costs.mfu, costs.peak_flops)", flush=True)
+
+    def launch(self, batch: list[list[str]]) -> bool:
+        """Run a batch through the configured launcher; False when the sweep was stopped."""
+        if batch:
+            self.launcher.launch(batch, initial_job_idx=self.job_idx)
+            self.job_idx += len(batch)
+        return stopping.stopped_by is None
+
+    def trial_result(self, overrides: Sequence[str]) -> dict[str, Any]:
+        """A finished (or failed) trial's score, from its run folder (or the one it duplicates)."""
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        name, path = self.run_dir(overrides)
+        same_as = (plan.sweep_jobs.get(plan.folder_key(sweep_dir)) or {}).get(name)
+        metrics = read_json((sweep_dir / same_as if same_as else path) / "metrics.json")
+        value = (metrics.get("metrics") or {}).get(self.metric)
+        status = metrics.get("status") or "unfinished"
+        if status == "finished" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+            status = "no metric" if value is None else "diverged"
+        if status == "failed" and "non-finite" in str(metrics.get("error", "")):
+            status = "diverged"
+        return {"job": name, "status": status, "value": value if status == "finished" else None,
+                "error": metrics.get("error")}
+
+    def grid_search(self, sweep_dir: Path, state: dict[str, Any]) -> bool:
+        """Stage 1 with method=grid; False when stopped."""
+        points, factor, extend = int(self.grid["points"]), float(self.grid["factor"]), int(self.grid["max_extend"])
+        for group in state["groups"]:
+            group.update(extended={"down": 0, "up": 0}, initial_trials=points * len(self.tuning_seeds))
+        launched: set[tuple[str, int, int]] = set()
+        while True:
+            batch, pending = [], []
+            for group in state["groups"]:
+                group["exponents"] = tuning.grid_range(points, group["extended"]["down"], group["extended"]["up"])
+                for k in group["exponents"]:
+                    values = {key: tuning.scaled(v, factor ** k) for key, v in group["centre"].items()}
+                    for seed in self.tuning_seeds:
+                        if (group["label"], k, seed) not in launched:
+                            launched.add((group["label"], k, seed))
+                            overrides = self.trial_overrides(group, values, seed)
+                            batch.append(overrides)
+                            pending.append((group, k, seed, values, overrides))
+            if not batch:
+                break
+            if len(state["groups"]) and batch:
+                log.info(f"tuned sweep: search, {len(batch)} trial runs")
+            ok = self.launch(batch)
+            for group, k, seed, values, overrides in pending:
+                group["trials"].append({"point": k, "seed": seed, "values": values, **self.trial_result(overrides)})
+            tuning.write_state(sweep_dir, state)
+            if not ok:
+                return False
+            grew = False
+            for group in state["groups"]:
+                means = tuning.point_means(group["trials"], self.tuning_seeds)
+                best = tuning.best_point(means)
+                edge = tuning.grid_edge(best, group["exponents"])
+                for side in ("down", "up"):
+                    if edge in (side, "both") and group["extended"][side] < extend:
+                        group["extended"][side] += 1
+                        grew = True
+                        print(f"tuned sweep: {group['label']}'s best {', '.join(group['centre'])} is at the grid's "
+                              f"{'lower' if side == 'down' else 'upper'} edge; the grid grows one point "
+                              f"{side} ({group['extended'][side]} of {extend})", flush=True)
+            if not grew:
+                break
+        for group in state["groups"]:
+            means = tuning.point_means(group["trials"], self.tuning_seeds)
+            best = tuning.best_point(means)
+            group["means"] = {str(k): m for k, m in means.items()}
+            group["chosen"] = best
+            group["chosen_multiplier"] = None if best is None else factor ** best
+            group["chosen_values"] = None if best is None else \
+                {key: tuning.scaled(v, factor ** best) for key, v in group["centre"].items()}
+            group["chosen_mean"] = None if best is None else means[best]
+            group["edge"] = tuning.grid_edge(best, group["exponents"])
+        tuning.write_state(sweep_dir, state)
+        return True
+
+    def verdict_stage(self, sweep_dir: Path, state: dict[str, Any]) -> None:
+        """Stage 2: every job of the command line at its arm's choice (and, with untuned, as configured)."""
+        groups = {g["label"]: g for g in state["groups"]}
+        batch: list[list[str]] = []
+        for arm in state["arms"]:
+            group = groups[arm["group"]]
+            arm["jobs"], arm["untuned_jobs"], arm["values"] = {}, {}, {}
+            for seed in arm["seeds"]:
+                plain = [*arm["overrides"], f"seed={seed}"]
+                if self.untuned:
+                    batch.append(plain)
+                    arm["untuned_jobs"][str(seed)] = self.run_dir(plain)[0]
+                if group.get("chosen_multiplier") is None and group.get("chosen_params") is None:
+                    continue  # no trial of the arm finished: it has no choice to run
+                values = self.values_for(group, self.compose(plain))
+                overrides = [*arm["overrides"], *(f"{k}={tuning.format_value(v)}" for k, v in values.items()),
+                             f"seed={seed}"]
+                batch.append(overrides)
+                arm["jobs"][str(seed)] = self.run_dir(overrides)[0]
+                arm["values"][str(seed)] = values
+            if not self.untuned:  # an earlier sweep's runs at the configured values, if this folder holds them
+                for seed in arm["seeds"]:
+                    name = self.run_dir([*arm["overrides"], f"seed={seed}"])[0]
+                    if (sweep_dir / name / "metrics.json").is_file():
+                        arm["untuned_jobs"][str(seed)] = name
+        state["stage"] = "verdict"
+        tuning.write_state(sweep_dir, state)
+        if batch:
+            log.info(f"tuned sweep: verdict, {len(batch)} runs")
+            self.launch(batch)
+        state["stage"] = "done" if stopping.stopped_by is None else "verdict"
+        tuning.write_state(sweep_dir, state)
+
+    def values_for(self, group: Mapping[str, Any], cfg: DictConfig) -> dict[str, Any]:
+        """The chosen values for one verdict job: a relative choice times that job's configured value."""
+        if group.get("chosen_params") is not None:  # optuna
+            from attnres.sweep.tuned_optuna import values_of
+
+            return values_of(self, group["chosen_params"], cfg)
+        found = {}
+        for key in group["centre"]:
+            configured = OmegaConf.select(cfg, key, default=None)
+            if isinstance(configured, (int, float)) and not isinstance(configured, bool):
+                found[key] = tuning.scaled(configured, group["chosen_multiplier"])
+        return found
+
+
+def _plain(value: Any) -> Any:
+    """A Hydra-given DictConfig / ListConfig as plain dicts and lists (the state file is JSON)."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def _seeds(job: Sequence[str]) -> list[int]:
+    found = []
+    for o in job:
+        if _key(o) == "seed":
+            try:
+                found.append(int(o.split("=", 1)[1]))
+            except ValueError as err:
+                raise ConfigError(f"{o}: a seed is an integer; e.g. seed=0,1,2") from err
+    return found
+
+
+def _tokens(cfg: DictConfig) -> int | None:
+    """Training tokens of one run of this config (steps x tokens a step), or None when unknown."""
+    steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
+    per_step = OmegaConf.select(cfg, "data.tokens_per_step", default=None)
+    if per_step is None:
+        batch, block = (OmegaConf.select(cfg, f"data.{k}", default=None) for k in ("batch_size", "block_size"))
+        accumulate = OmegaConf.select(cfg, "trainer.accumulate_grad_batches", default=1) or 1
+        per_step = batch * block * accumulate if isinstance(batch, int) and isinstance(block, int) else None
+    return int(steps * per_step) if isinstance(steps, int) and steps > 0 and per_step else None
+
+
+def _gpu_hours(configs: Sequence[DictConfig]) -> float | None:
+    """The GPU-hours of runs of these configs when their experiment prices them (`costs:`), else None."""
+    from attnres.config import costs
+
+    priced = [c for c in configs if OmegaConf.select(c, "costs") is not None]
+    if not priced:
+        return None
+    built: dict[str, int] = {}
+    return sum(costs.job_cost(c, built)["flops"] / (float(c.costs.mfu) * float(c.costs.peak_flops)) / 3600
+               for c in priced) / len(priced) * len(configs)
