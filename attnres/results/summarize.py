@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from attnres.results import tuning
 from attnres.results.summary import (
     find_job_dirs,
     format_counts,
@@ -24,6 +25,7 @@ from attnres.results.summary import (
     verdict_lines,
     write_sweep_summary,
 )
+from attnres.results.tuned_summary import write_tuned_summary
 from attnres.results.verdict import comparisons
 
 
@@ -46,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         rows = write_sweep_summary(args.out, *args.sweep_dirs)
         out = args.out
+    elif tuning.is_tuned(args.sweep_dirs[0]):  # a tuned sweep (tune=lr): the tuned verdict leads
+        rows, lines = write_tuned_summary(args.sweep_dirs[0])
+        print(f"{format_counts(status_counts([r['status'] for r in rows]))} -> {args.sweep_dirs[0]}/summary.md, "
+              "summary.csv, summary.png, tuning.png")
+        for line in lines:
+            print(line)
+        return 0
     else:
         rows = write_sweep_summary(args.sweep_dirs[0])
         out = args.sweep_dirs[0]

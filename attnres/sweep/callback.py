@@ -12,8 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import DISK_FULL, WRITE_ERRORS
 from attnres.config.errors import user_errors
-from attnres.results import verdict
+from attnres.results import tuning, verdict
 from attnres.results.summary import format_counts, primary_metric, terminal_table, verdict_lines, write_sweep_summary
+from attnres.results.tuned_summary import write_tuned_summary
 from attnres.sweep import plan
 from attnres.sweep.plan import folder_key, no_jobs_error, record_outcome, sweep_jobs
 from attnres.sweep.slots import lock_sweep_dir
@@ -38,7 +39,14 @@ class SweepSummary(Callback):
             with user_errors():
                 raise no_jobs_error(config)
         try:
-            rows = write_sweep_summary(sweep_dir, only=sweep_jobs.get(folder_key(sweep_dir)) or None)  # this sweep's
+            if tuning.is_tuned(sweep_dir):  # tune=lr: the tuned verdict leads; its lines carry their own heads
+                rows, lines = write_tuned_summary(sweep_dir)
+                heads = list(lines)
+            else:
+                this_sweep = sweep_jobs.get(folder_key(sweep_dir)) or None  # not the earlier sweeps' in the folder
+                rows = write_sweep_summary(sweep_dir, only=this_sweep)
+                lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows)
+                heads = [f"verdict: {line}" for line in lines]
         except OSError as err:  # a full disk as the sweep ends: the jobs' results are whole, the summary waits
             if err.errno not in WRITE_ERRORS:
                 raise
@@ -50,9 +58,8 @@ class SweepSummary(Callback):
             print(f"sweep: {format_counts(counts)} -> no summary (not written)", flush=True)
             return
         print(terminal_table(rows), flush=True)
-        lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows)
-        for line in lines:
-            print(f"verdict: {line}", flush=True)
+        for line in heads:
+            print(line, flush=True)
         if _tracked(config):  # to MLflow / W&B, when the jobs tracked there
             from attnres.training.trackers import log_sweep  # here: it loads Lightning, which a sweep needs not
 

@@ -1,0 +1,105 @@
+"""The search of a tuned sweep as a figure (tuning.png, and the right of its summary.png): for each
+arm, the selection metric against each searched value, one point per tuning seed, their mean as a
+line, the chosen value starred; a grid that grew at an edge shows its added points, and a choice
+still on the edge is drawn hollow and named in the legend."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from attnres.results import tuning
+from attnres.results.figures import new_figure, strategy_colours
+from attnres.results.summary_figure import _differences
+
+
+def search_keys(state: Mapping[str, Any]) -> list[str]:
+    """The searched keys, in order (a grid's keys; an Optuna study's space)."""
+    keys: list[str] = []
+    for group in state.get("groups", []):
+        for trial in group.get("trials", []):
+            for key in trial.get("values") or {}:
+                if key not in keys:
+                    keys.append(key)
+    return keys
+
+
+def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
+    """One panel per searched key: each arm's trials (points), their mean (line), the choice (star)."""
+    metric = state.get("signature", {}).get("metric", "val/loss")
+    seeds = state.get("tuning_seeds", [])
+    groups = state.get("groups", [])
+    colours = dict(zip([g["label"] for g in groups], strategy_colours([g["label"] for g in groups]), strict=True))
+    for ax, key in zip(axes, search_keys(state), strict=False):
+        ticks: set[float] = set()
+        for group in groups:
+            colour = colours[group["label"]]
+            trials = [t for t in group.get("trials", []) if key in (t.get("values") or {})]
+            if not trials:
+                continue
+            xs = np.array([float(t["values"][key]) for t in trials])
+            ticks.update(xs.tolist())
+            ys = np.array([tuning.trial_value(t) for t in trials])
+            finite = np.isfinite(ys)
+            ax.scatter(xs[finite], ys[finite], s=14, color=colour, alpha=0.55, zorder=3)
+            if (~finite).any():  # a diverged or failed trial: a cross at the panel's top
+                ax.scatter(xs[~finite], np.full((~finite).sum(), np.nan), marker="x", color=colour)
+            means = tuning.point_means(trials, seeds)
+            points = sorted(means, key=lambda p: _x(trials, p, key))
+            line = [(_x(trials, p, key), means[p]) for p in points if math.isfinite(means[p])]
+            label = group["label"]
+            chosen = group.get("chosen")
+            if chosen is not None and any(t["point"] == chosen for t in trials):
+                cx, cy = _x(trials, chosen, key), means.get(chosen)
+                edge = group.get("edge")
+                hollow = edge is not None
+                ax.scatter([cx], [cy], marker="*", s=170, zorder=5, edgecolors=colour,
+                           facecolors="none" if hollow else colour, linewidths=1.4)
+                label += f": {tuning.format_value(cx)}" + (f" (at the {'upper' if edge == 'up' else 'lower'} "
+                                                            "edge)" if hollow else "")
+            if line:
+                ax.plot(*zip(*line, strict=True), color=colour, linewidth=1.6, label=label, zorder=4)
+        ax.set_xscale("log")
+        if 0 < len(ticks) <= 12:  # the searched values themselves, not log decades
+            from matplotlib.ticker import NullFormatter
+
+            ax.set_xticks(sorted(ticks), [tuning.format_value(x) for x in sorted(ticks)], rotation=30)
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(key, fontsize=8)
+        ax.set_ylabel(f"{metric} (tuning seeds {', '.join(map(str, seeds))})", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, title="mean over seeds; * chosen", title_fontsize=7)
+    for ax in axes[len(search_keys(state)):]:
+        ax.set_visible(False)
+
+
+def _x(trials: Sequence[Mapping[str, Any]], point: Any, key: str) -> float:
+    return next(float(t["values"][key]) for t in trials if t["point"] == point)
+
+
+def search_figure(state: Mapping[str, Any], title: str):
+    keys = search_keys(state) or ["(no trials)"]
+    fig = new_figure(5.2 * len(keys), 4.2)
+    axes = np.atleast_1d(fig.add_gridspec(1, len(keys), wspace=0.3).subplots())
+    draw_search(list(axes), state)
+    fig.suptitle(f"{title}: the search, each arm on its tuning seeds", fontsize=10)
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.86, bottom=0.16)
+    return fig
+
+
+def tuned_figure(comparisons: Sequence[Any], state: Mapping[str, Any], metric: str, title: str):
+    """summary.png of a tuned sweep: the tuned verdict (each arm at its best) beside the search."""
+    keys = search_keys(state) or ["(no trials)"]
+    shown = [c for c in comparisons if c.mean is not None]
+    fig = new_figure(6.0 + 5.0 * len(keys), max(4.0, 0.45 * len(shown) + 2.2))
+    axes = fig.add_gridspec(1, 1 + len(keys), width_ratios=[1.1] + [1.0] * len(keys), wspace=0.45).subplots()
+    _differences(axes[0], shown, metric)
+    axes[0].set_title("each arm at its own best: mean, 95% t interval, o: each seed", fontsize=9)
+    draw_search(list(axes[1:]), state)
+    fig.suptitle(f"{title}: tuned verdict ({metric}, verdict seeds) and the search", fontsize=10)
+    fig.subplots_adjust(left=0.14, right=0.98, top=0.86, bottom=0.16)
+    return fig
