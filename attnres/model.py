@@ -55,7 +55,15 @@ class KVCache:
     strategy needs nothing more: a token's depth sources are its own earlier sublayer outputs,
     computed in the same pass, and only attention looks at other positions. Buffers are
     (B, H, max_len, hd) per attention sublayer, allocated at the first write.
+
+    A padded batch (`attnres.hf`) passes a cache object with two more attributes: `positions`
+    (B, T), each row's own positions for the T new tokens, and `key_mask` (B, pos + T), False at
+    padding. Attention then skips padded keys and each token is rotated by its row's position, so a
+    padded row computes what it computes alone. This class has neither (None: no padding).
     """
+
+    positions: Tensor | None = None
+    key_mask: Tensor | None = None
 
     def __init__(self, max_len: int) -> None:
         self.max_len, self.pos = max_len, 0
@@ -103,7 +111,13 @@ class Attention(nn.Module):
         if kv_cache is not None:
             start = kv_cache.pos
             k, v = kv_cache.update(self.cache_index, k, v)  # (B, H, start + T, hd)
-            if start:  # query i (position start + i) sees keys 0 .. start + i
+            keys = getattr(kv_cache, "key_mask", None)  # (B, start + T), False at padding
+            if keys is not None:  # causal and not padding; a padded query sees its own key (no empty row)
+                causal, rows = False, torch.arange(T, device=x.device)
+                mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+                mask = mask & keys[:, None, None, :].to(device=x.device, dtype=torch.bool)  # (B, 1, T, start + T)
+                mask[:, :, rows, start + rows] = True
+            elif start:  # query i (position start + i) sees keys 0 .. start + i
                 causal = False
                 if T > 1:
                     mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
@@ -219,10 +233,16 @@ class Transformer(nn.Module):
         positions after those the cache holds (see `KVCache`)."""
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > self.block_size:
-            raise ValueError(f"sequence length {start + T} exceeds block_size={self.block_size}")
+        positions = getattr(kv_cache, "positions", None)  # (B, T) in a padded batch (see KVCache)
+        length = start + T if positions is None else int(positions.max()) + 1
+        if length > self.block_size:
+            raise ValueError(f"sequence length {length} exceeds block_size={self.block_size}")
         x = self.embed_dropout(self.embed(idx))  # (B, T, D)
-        kwargs: dict = {"rope": (self.rope_cos[start : start + T], self.rope_sin[start : start + T])}
+        if positions is None:
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hd / 2)
+        else:
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))  # (B, 1, T, hd / 2)
+        kwargs: dict = {"rope": rope}
         if kv_cache is not None:  # passed only when decoding, so custom sublayers need not know it
             kwargs["kv_cache"] = kv_cache
         hidden = self.norm(self.residual(x, self.sublayers, **kwargs))

@@ -6,9 +6,12 @@ transformers' own cache classes (`DynamicCache`, what `generate()` makes by defa
 depth sources are its own sublayer outputs, computed in the same pass, and only attention reads
 other positions, so the attention cache is all a step needs (as `attnres.model.KVCache`).
 
-Positions are the cache's: a call continues at the position after what the cache holds. Batches
-are unpadded (an `attention_mask` with zeros is refused, in one line); a sequence reaches
-`block_size` positions at most (the rotary tables and what the model was trained on).
+Positions are the cache's: a call continues at the position after what the cache holds. A batch
+may be padded, on the left (batched `generate()`) or the right: an `attention_mask` (B, cached + T)
+with zeros at padding. Then each row's positions count its own tokens only (`position_ids` when
+given, else from the mask) and attention skips padded keys, so a padded row's logits and greedy
+tokens are those of its prompt alone. A sequence reaches `block_size` positions at most (the rotary
+tables and what the model was trained on).
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ class CacheView:
         return keys, values
 
 
+class PaddedView:
+    """A `CacheView` (or no cache) plus what a padded batch needs (`attnres.model.KVCache`):
+    `positions` (B, T) of the new tokens, `key_mask` (B, cached + T), False at padding."""
+
+    def __init__(self, cache: Any, attention_mask: Tensor, position_ids: Tensor | None, T: int) -> None:  # noqa: N803 (T: new tokens, as in model.py)
+        self.view = CacheView(cache) if cache is not None else None
+        self.pos = self.view.pos if self.view is not None else 0
+        if attention_mask.ndim != 2 or attention_mask.shape[-1] != self.pos + T:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; attnres models take one of "
+                             f"(batch, {self.pos + T}): the cached positions ({self.pos}) plus the new tokens ({T})")
+        self.key_mask = attention_mask.bool()
+        if position_ids is None:  # each row counts its own tokens; a padded position's value is never read
+            position_ids = attention_mask.long().cumsum(-1)[:, -T:] - 1
+        self.positions = position_ids.long().expand(attention_mask.shape[0], T).clamp(min=0)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.view.update(layer, k, v) if self.view is not None else (k, v)
+
+
 def pop_cache(kwargs: dict[str, Any]) -> Any:
     """The cache a caller passed, under either of transformers' names for it."""
     cache = kwargs.pop("cache", None)
@@ -54,13 +76,12 @@ def pop_cache(kwargs: dict[str, Any]) -> Any:
 
 def run_transformer(config: AttnResConfig, transformer: Transformer, input_ids: Tensor | None,
                     attention_mask: Tensor | None, cache: Any, use_cache: bool | None,
-                    inputs_embeds: Tensor | None, return_hidden: bool) -> tuple[dict[str, Tensor], Any]:
-    """The Transformer's forward over `input_ids` (B, T), continuing `cache` (made when `use_cache`)."""
+                    inputs_embeds: Tensor | None, return_hidden: bool,
+                    position_ids: Tensor | None = None) -> tuple[dict[str, Tensor], Any]:
+    """The Transformer's forward over `input_ids` (B, T), continuing `cache` (made when `use_cache`);
+    an `attention_mask` with zeros makes it a padded batch (`PaddedView`)."""
     if inputs_embeds is not None or input_ids is None:
         raise ValueError("attnres models take input_ids (token ids), not inputs_embeds")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("attnres models take unpadded batches: an attention_mask with zeros is not supported; "
-                         "pass prompts of one length (or one prompt at a time)")
     if input_ids.shape[-1] == 0:
         raise ValueError("an empty prompt (input_ids of 0 tokens): attnres models need at least one token to "
                          "start from; give a non-empty prompt (a byte-level model can start from '\\n')")
@@ -68,7 +89,11 @@ def run_transformer(config: AttnResConfig, transformer: Transformer, input_ids: 
         use_cache = getattr(config, "use_cache", True)
     if cache is None and use_cache:
         cache = DynamicCache(config=config)
-    view = CacheView(cache) if cache is not None else None
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if padded:
+        view: Any = PaddedView(cache, attention_mask, position_ids, input_ids.shape[-1])
+    else:  # unpadded: positions are the cache's (a caller's position_ids say the same)
+        view = CacheView(cache) if cache is not None else None
     return transformer(input_ids, return_hidden=return_hidden, kv_cache=view), cache
 
 
@@ -117,7 +142,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 use_cache: bool | None = None, return_dict: bool | None = None, **kwargs: Any) -> Any:
         cache = pop_cache(kwargs)
         out, cache = run_transformer(self.config, self.transformer, input_ids, attention_mask, cache, use_cache,
-                                     inputs_embeds, return_hidden=True)
+                                     inputs_embeds, return_hidden=True, position_ids=position_ids)
         result = BaseModelOutputWithPast(last_hidden_state=out["hidden"], **{CACHE: cache})
         return result if return_dict is not False else result.to_tuple()
 
@@ -163,7 +188,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                 return_dict: bool | None = None, **kwargs: Any) -> Any:
         cache = pop_cache(kwargs)
         out, cache = run_transformer(self.config, self.transformer, input_ids, attention_mask, cache, use_cache,
-                                     inputs_embeds, return_hidden=False)
+                                     inputs_embeds, return_hidden=False, position_ids=position_ids)
         logits = out["logits"]
         loss = None
         if labels is not None:  # position t predicts token t + 1

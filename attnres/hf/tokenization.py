@@ -53,24 +53,42 @@ def is_byte_level(tok: Tokenizer) -> bool:
                                                                      ((0, chars[0]), (97, "a"), (255, chars[255])))
 
 
-def save_tokenizer(tok: Tokenizer, folder: str | Path, max_length: int) -> dict[str, Any]:
-    """Write `tok` as a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) that
-    `AutoTokenizer.from_pretrained(folder)` loads; returns the special token ids it has.
+#: the byte a byte-level model's documents start after: the stdlib corpus joins its files with
+#: "\n\n", so "\n" is what lm-eval should put before a text it scores from its start (its
+#: `prefix_token_id`); not a special token, so decoded text keeps its newlines
+BYTE_PREFIX = ord("\n")
 
-    Padding: a tokenizer with an end-of-text token pads with it; the byte-level one pads with byte 0
-    (`pad_token` "Ā", the character that stands for it, id 0), so `tokenizer(texts, padding=True)`
-    works as with any Hugging Face tokenizer. Its `split_special_tokens` is on, so a "Ā" in a text
-    is still the two bytes of its UTF-8 form: text keeps round-tripping byte for byte."""
+
+def hf_tokenizer(tok: Tokenizer, max_length: int, **special: Any) -> tuple[Any, dict[str, int]]:
+    """`tok` as a Hugging Face `PreTrainedTokenizerFast`, in memory, with the special tokens that
+    generation and lm-eval need; returns it and the special token ids it has.
+
+    A tokenizer with an end-of-text token pads and ends with it (and lm-eval starts a rolling
+    text after it, as attnres-prepare's documents do). The byte-level one pads and ends with byte 0
+    (`Ā`, the character that stands for it, id 0), which text never holds, so generation runs to
+    its stop strings or its length; its `split_special_tokens` is on, so an `Ā` or a NUL in a text
+    is still the bytes of its UTF-8 form: text keeps round-tripping byte for byte. `special`
+    (`eos_token=`, `pad_token=`) names them for any other vocabulary."""
     from transformers import PreTrainedTokenizerFast
 
     eot = end_of_text(tok)
-    if eot:
+    if special:
+        pass
+    elif eot:
         special = {"eos_token": eot, "pad_token": eot}
     elif is_byte_level(tok):
-        special = {"pad_token": byte_characters()[0], "split_special_tokens": True}
+        special = {"eos_token": byte_characters()[0], "pad_token": byte_characters()[0], "split_special_tokens": True}
     else:
         special = {}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, **special)
+    ids = {f"{k}_id": tok.token_to_id(special[k]) for k in ("pad_token", "eos_token") if k in special}
+    return fast, ids
+
+
+def save_tokenizer(tok: Tokenizer, folder: str | Path, max_length: int) -> dict[str, Any]:
+    """Write `tok` as a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) that
+    `AutoTokenizer.from_pretrained(folder)` loads (`hf_tokenizer`); returns the special token ids
+    it has (`pad_token_id`, `eos_token_id`), for generation_config.json."""
+    fast, ids = hf_tokenizer(tok, max_length)
     fast.save_pretrained(str(folder))
-    ids = {"pad_token_id": tok.token_to_id(special["pad_token"])} if "pad_token" in special else {}
-    return {**ids, "eos_token_id": tok.token_to_id(eot)} if eot else ids
+    return ids

@@ -119,11 +119,9 @@ def test_the_base_model_gives_the_final_hidden_state_and_the_loss_is_shifted():
     torch.testing.assert_close(out.loss, own["loss"], rtol=1e-6, atol=1e-6)
 
 
-def test_padding_and_embeddings_are_refused_in_one_line():
+def test_embeddings_are_refused_in_one_line():  # padding: test_padding.py
     model = model_of(STRATEGIES["standard"])
     idx = torch.ones(2, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="unpadded batches"):
-        model(idx, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
     with pytest.raises(ValueError, match="not inputs_embeds"):
         model(inputs_embeds=torch.zeros(2, 4, SHAPE["n_embd"]))
     model(idx, attention_mask=torch.ones(2, 4, dtype=torch.long))  # all ones is no padding
