@@ -85,6 +85,10 @@ def check_jobs(config_name: str, overrides: list[Any], multirun: bool, running: 
         jobs = [[o.input_line for o in task]]
     first = _compose(config_name, [*hydra_overrides, *jobs[0]])
     if not multirun and running:
+        tune = first.hydra.runtime.choices.get("tune")
+        if tune:
+            raise ConfigError(f"tune={tune} tunes the arms of a sweep and a single run has none; add -m "
+                              f"(attnres-run -m tune={tune} residual=standard,block seed=0,1,2), or leave tune= out")
         note_builtin_sweep(first, jobs[0])
     groups = set(first.hydra.runtime.choices)
     parsed: dict[str, Any] = {}

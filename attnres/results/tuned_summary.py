@@ -48,6 +48,10 @@ def choice_line(group: Mapping[str, Any], state: Mapping[str, Any]) -> str:
     signature = state.get("signature", {})
     metric, seeds = signature.get("metric", "val/loss"), state.get("tuning_seeds", [])
     trials = len(group.get("trials", []))
+    if "chosen" not in group:  # stopped (Ctrl-C, SIGTERM, a kill) before the search ended
+        done = sum(1 for t in group.get("trials", []) if t.get("status") == "finished")
+        return (f"{group['label']}: not chosen yet: the search was stopped with {done} of its trials finished; "
+                "the same command with resume=true continues it")
     if group.get("chosen_values") is None:
         return f"{group['label']}: no choice: none of its {trials} trials finished with a finite {metric}"
     values = ", ".join(f"{k}={tuning.format_value(v)}" for k, v in group["chosen_values"].items())
@@ -61,11 +65,11 @@ def choice_line(group: Mapping[str, Any], state: Mapping[str, Any]) -> str:
         text += f", the grid grown {' and '.join(grown)}"
     edge = group.get("edge")
     if edge:
-        where = {"up": "upper", "down": "lower", "both": "only"}.get(edge, edge)
+        where = {"up": "UPPER EDGE", "down": "LOWER EDGE", "both": "EDGES (ONE POINT)"}.get(edge, edge)
         fix = ("raise hydra.sweeper.grid.max_extend or move the configured value"
                if state.get("signature", {}).get("method") == "grid" else "widen hydra.sweeper.optuna.space")
         which = f" ({group['edge_key']})" if group.get("edge_key") else ""
-        text += f"; STILL AT THE SEARCH'S {where.upper()} EDGE{which}: the best value may lie beyond it ({fix})"
+        text += f"; STILL AT THE SEARCH'S {where}{which}: the best value may lie beyond it ({fix})"
     failed = sum(1 for t in group.get("trials", []) if t.get("status") != "finished")
     if failed:
         text += f"; {failed} trial{'s' * (failed != 1)} diverged or failed (scored as the worst)"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,15 @@ class TunedSweeper(Sweeper):
         self.tuning_seeds = [int(s) for s in tuning_seeds]
         self.grid = {"keys": ["optim.optimizer.lr"], "points": 5, "factor": 2.0, "max_extend": 3, **(grid or {})}
         self.optuna = dict(optuna or {})
+        if isinstance(proxy, (list, tuple)):  # [size=194m]: overrides
+            proxy = dict(str(o).split("=", 1) for o in proxy if "=" in str(o))
         self.proxy = {str(k): str(v) for k, v in (proxy or {}).items()}
         self.params = dict(params or {})
         self.config: DictConfig | None = None
         self.hydra_context: Any = None
         self.launcher: Any = None
         self.job_idx = 0
+        self._composed: dict[tuple[str, ...], DictConfig] = {}
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -90,7 +94,11 @@ class TunedSweeper(Sweeper):
         return [list(job) for job in jobs]
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
-        return self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        """A job's config, as the launcher will compose it (cached: a sweep asks for each job's several times)."""
+        key = tuple(overrides)
+        if key not in self._composed:
+            self._composed[key] = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        return self._composed[key]
 
     def run_dir(self, overrides: Sequence[str]) -> tuple[str, Path]:
         """A job's folder name relative to the sweep folder, and its path."""
@@ -137,15 +145,19 @@ class TunedSweeper(Sweeper):
             return [str(k) for k in self.grid["keys"]]
         return [str(k) for k in (self.optuna.get("space") or {})]
 
+    def baseline_spec(self) -> tuple[str, str]:
+        """(key, value) of the baseline arms: `optim:adamw` (or `optim=adamw`, quoted); residual=standard."""
+        key, _, value = re.split(r"([:=])", self.baseline or "residual=standard", maxsplit=1)
+        return key.strip(), value.strip()
+
     def is_baseline(self, overrides: Sequence[str], cfg: DictConfig) -> bool:
-        spec = self.baseline or "residual=standard"
-        key, _, value = spec.partition("=")
+        key, value = self.baseline_spec()
         chosen = cfg.hydra.runtime.choices.get(key) if key in cfg.hydra.runtime.choices else \
             OmegaConf.select(cfg, key, default=None)
         return str(overrides_by_key(list(overrides)).get(key, chosen)) == value
 
     def baseline_keys(self) -> tuple[str, ...]:
-        key = (self.baseline or "residual=standard").partition("=")[0]
+        key = self.baseline_spec()[0]
         return (key, "num_blocks") if key == "residual" else (key,)
 
     # -- the sweep ---------------------------------------------------------------------------------------
@@ -158,6 +170,9 @@ class TunedSweeper(Sweeper):
                 raise plan.no_jobs_error(self.config)
             self.check(jobs)
             state = self.start_state(sweep_dir, jobs)
+        fresh = not tuning.state_path(sweep_dir).is_file()
+        if fresh or self.config.get("resume") or self.config.get("overwrite"):  # else the launcher refuses first
+            tuning.write_state(sweep_dir, state)  # the search's settings, for a resume's check, before any run
         if self.method == "grid":
             done = self.grid_search(sweep_dir, state)
         else:

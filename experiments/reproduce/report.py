@@ -32,6 +32,9 @@ from omegaconf import OmegaConf
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))  # experiments/: plot_run, scaling
+sys.path.insert(0, str(HERE))  # tuned_part
+
+from tuned_part import part_tuned  # noqa: E402
 
 from attnres.atomic import read_json  # noqa: E402
 from attnres.results import figures  # noqa: E402
@@ -570,6 +573,46 @@ def part_ladder(out: Path, runs: Sequence[Run], figs: Path) -> tuple[list[str], 
 
 
 # -- the report ------------------------------------------------------------------------------------------
+TUNED_TITLE = "7. Each arm at its own learning rate (a tuned comparison)"
+
+
+def tuned_section(out: Path, runs: Sequence[Run], figs: Path, kept: str = "") -> tuple[list[str], list[str]]:
+    shared = relative_gap(runs, "deep", "block N=4") if finished(runs, "deep", "standard") else None
+    paper = PAPER_GAPS["block"]
+    return part_tuned(out, figs, shared, Effect, verdict, claim, _paper_range(paper), paper, _save, kept)
+
+
+def splice_tuned(out: Path) -> Path:
+    """Update REPORT.md's tuned section, its claim and its wall-time row alone, keeping the rest as it
+    was written (for a machine that holds the tuned part's runs but not the other parts')."""
+    report = HERE / "REPORT.md"
+    old = report.read_text()
+    text, claims = tuned_section(out, load_runs(out), HERE / "figures", kept=old)
+    lines = old.splitlines()
+    lines = [line for line in lines if "with each at its own learning rate" not in line]  # the old tuned claim
+    head = next(i for i, line in enumerate(lines) if line.startswith("## Verdicts ("))
+    end = next(i for i in range(head + 2, len(lines)) if not lines[i].startswith("- "))
+    lines[end:end] = claims
+    claim_lines = [line for line in lines[head + 2:end + len(claims)] if line.startswith("- **")]
+    lines[head] = f"## Verdicts ({_count_words(claim_lines)})"
+    row = f"| tuned | standard and Block N=4 at the deep shape: 2 x 5-point lr grid x 2 tuning seeds, then 5 " \
+          f"seeds each at its best | {_wall(read_json(out / 'state.json'), 'tuned')} |"
+    lines = [line for line in lines if not line.startswith("| tuned |")]
+    at = next(i for i, line in enumerate(lines) if line.startswith("| ladder |"))
+    lines.insert(at + 1, row)
+    if f"## {TUNED_TITLE}" in lines:  # replace the section up to the next one
+        start = lines.index(f"## {TUNED_TITLE}")
+        stop = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+        del lines[start:stop]
+    at = lines.index("## Not run at this scale")
+    lines[at:at] = [f"## {TUNED_TITLE}", "", f"*Added on {time.strftime('%Y-%m-%d')} from `runs/tuned`; "
+                    "the sections above are as their runs wrote them.*", "", *text, ""]
+    tmp = report.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(report)
+    return report
+
+
 def _wall(state: dict, part: str) -> str:
     entry = state.get(part)
     if not entry:
@@ -596,6 +639,7 @@ def write_report(out: Path) -> Path:
         ("4. Magnitudes and gradients across depth (Figure 5b, 5c)", lambda: part_dynamics(runs, figs)),
         ("5. Depth attention (Figure 8)", lambda: part_heatmaps(runs, figs)),
         ("6. The compute multiplier (Table 2's fits)", lambda: part_ladder(out, runs, figs)),
+        (TUNED_TITLE, lambda: tuned_section(out, runs, figs)),
     ]
     body, claims = [], []
     for title, build in sections:
@@ -631,7 +675,9 @@ def write_report(out: Path) -> Path:
         f"| ordering | standard, Block N=4, Full at the deep shape x 5 seeds | {_wall(state, 'ordering')} |",
         f"| blocksize | Block N=8 and N=2 at the deep shape x 5 seeds | {_wall(state, 'blocksize')} |",
         f"| depth | standard and Block N=2 at the shallow shape x 5 seeds | {_wall(state, 'depth')} |",
-        f"| ladder | standard and Block N=8 at widths 16, 24, 32 x 3 seeds | {_wall(state, 'ladder')} |", "",
+        f"| ladder | standard and Block N=8 at widths 16, 24, 32 x 3 seeds | {_wall(state, 'ladder')} |",
+        "| tuned | standard and Block N=4 at the deep shape: 2 x 5-point lr grid x 2 tuning seeds, then 5 seeds "
+        f"each at its best | {_wall(state, 'tuned')} |", "",
         "## Training length", "", *part_length(runs, figs), "",
         *body,
         "## Not run at this scale", "",
@@ -652,4 +698,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "runs")
-    print(write_report(parser.parse_args().out.resolve()))
+    parser.add_argument("--only-tuned", action="store_true",
+                        help="update only the tuned section (the other parts' runs need not be here)")
+    args = parser.parse_args()
+    print(splice_tuned(args.out.resolve()) if args.only_tuned else write_report(args.out.resolve()))
