@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import atomic_write, read_json, write_json
 from attnres.config.naming import split_overrides
-from attnres.results import summary_figure, verdict
+from attnres.results import summary_figure, task_verdicts, verdict
 
 COLUMNS = ["job", "config", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
            "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error", *verdict.COLUMNS]
@@ -255,9 +255,10 @@ def terminal_table(rows: list[dict[str, Any]]) -> str:
     """The summary as a person reads it at the end of a sweep: job, status, the primary metric,
     tokens per second and wall time, aligned."""
     metric = primary_metric(rows)
-    header = ["job", "status", metric, "tokens/s", "wall s"]
-    body = [[str(r["job"]), str(r["status"]), _fmt(r.get(metric)), _fmt(r.get("tokens_per_sec")),
-             _fmt(r.get("wall_time_s"))] for r in rows]
+    tasks = task_verdicts.attach(rows)  # eval.tasks: a column per task metric
+    header = ["job", "status", metric, *tasks, "tokens/s", "wall s"]
+    body = [[str(r["job"]), str(r["status"]), _fmt(r.get(metric)), *(_fmt(r.get(k)) for k in tasks),
+             _fmt(r.get("tokens_per_sec")), _fmt(r.get("wall_time_s"))] for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
                      for line in [header, *body])
@@ -303,10 +304,11 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     left_out = 0 if only is None else sum(name not in only for name in names)
     metric = primary_metric(rows)
     found = attach_verdicts(rows, metric)
+    task_keys = task_verdicts.attach(rows)  # eval.tasks: one more column and verdict per task metric
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, extrasaction="ignore")
+    writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, *task_keys], extrasaction="ignore")
     writer.writeheader()
-    writer.writerows({k: _fmt(r.get(k)) for k in COLUMNS} for r in rows)
+    writer.writerows({k: _fmt(r.get(k)) for k in [*COLUMNS, *task_keys]} for r in rows)
     atomic_write(sweep_dir / "summary.csv", lambda f: f.write(buffer.getvalue().encode()))
 
     total, _, counts = format_counts(status_counts([r["status"] for r in rows])).partition(", ")
@@ -315,13 +317,14 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
              f"seed: the mean difference of {metric} with its 95% interval (Student t), the seeds that favour "
              "each side, and the cost as ratios to the baseline.", ""]
     lines += [f"- {line}" for line in verdict_lines(found, rows)]
+    lines += [f"- {c.sentence()}" for c in task_verdicts.comparisons(rows, task_keys)]
     lines += ["", "## Jobs", "",
               f"{total}{': ' + counts if counts else ''}. The job column lists the overrides that differ; "
               f"diff is the run's {metric} minus its baseline's at the same seed.", ""]
     if left_out > 0:
         lines[-1:-1] = [f"This folder also holds {left_out} run(s) of earlier sweeps, not listed here; "
                         f"`attnres-summarize {sweep_dir}` lists every run in it.", ""]
-    columns = filled_columns(rows)
+    columns = filled_columns(rows) + task_keys
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for r in rows:

@@ -30,6 +30,18 @@ from typing import Any
 #: pairs with the standard runs (which have no pseudo-queries) of an otherwise equal configuration
 IGNORED_FOR_BASELINE = ("optim.query_lr_scale",)
 HIGHER_IS_BETTER = ("val/accuracy",)
+#: lm-eval task metrics (`<task>/<metric>`, attnres.results.task_verdicts) where higher is better:
+#: accuracies, exact match, F1, MCC, pass@k, BLEU, ROUGE (with or without a filter suffix);
+#: perplexities and bits per byte are lower-is-better, as the losses
+TASK_HIGHER_IS_BETTER = ("acc", "exact_match", "em", "f1", "mcc", "pass@", "pass_at", "bleu", "rouge", "chrf")
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger `metric` is the better one (val/accuracy, a task's accuracy)."""
+    if metric in HIGHER_IS_BETTER:
+        return True
+    task, _, name = metric.rpartition("/")
+    return bool(task) and not task.startswith(("val", "train")) and name.startswith(TASK_HIGHER_IS_BETTER)
 
 
 @dataclass
@@ -54,7 +66,7 @@ class Comparison:
 
     @property
     def lower_is_better(self) -> bool:
-        return self.metric not in HIGHER_IS_BETTER
+        return not higher_is_better(self.metric)
 
     @property
     def verdict(self) -> str:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import DISK_FULL, WRITE_ERRORS
 from attnres.config.errors import user_errors
-from attnres.results import tuning, verdict
+from attnres.results import task_verdicts, tuning, verdict
 from attnres.results.summary import format_counts, primary_metric, terminal_table, verdict_lines, write_sweep_summary
 from attnres.results.tuned_summary import write_tuned_summary
 from attnres.sweep import plan
@@ -46,6 +46,7 @@ class SweepSummary(Callback):
                 this_sweep = sweep_jobs.get(folder_key(sweep_dir)) or None  # not the earlier sweeps' in the folder
                 rows = write_sweep_summary(sweep_dir, only=this_sweep)
                 lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows)
+                lines += task_verdicts.lines(rows)  # eval.tasks: a verdict per strategy and task metric
                 heads = [f"verdict: {line}" for line in lines]
         except OSError as err:  # a full disk as the sweep ends: the jobs' results are whole, the summary waits
             if err.errno not in WRITE_ERRORS:
