@@ -76,6 +76,7 @@ CI_TEST_COMMAND = "python -m pytest -n auto"
 SHELL_TAGS = {"bash", "sh", "shell", "console"}
 #: first words that make an untagged block a shell block, and that every command must start with
 COMMANDS = {"attnres-run", "attnres-prepare", "attnres-export", "attnres-summarize", "attnres-plot", "attnres-probe",
+            "attnres-tasks",
             "python", "pip", "tensorboard", "lint-imports", "experiments/slurm/cluster.sh", "experiments/gpu_check.sh",
             "cd", "git"}
 #: commands shown but never executed here, and why

@@ -57,6 +57,7 @@ from attnres.training.report import (
     share_log_file,
     write_summary,
 )
+from attnres.training.tasks.main import after_training, prepare
 from attnres.training.trackers import finish_trackers, make_loggers
 
 log = logging.getLogger("attnres")
@@ -130,6 +131,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
         datamodule = instantiate(cfg.data)
+        tasks = prepare(cfg, datamodule)  # eval.tasks: lm-eval installed and every task's data local, or refused now
         model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
         module = LitLanguageModel(
             model,
@@ -183,6 +185,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
             return {}
         summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
         report(end_block(summary, run_dir, events_dir(trainer)))
+        for line in after_training(tasks, cfg, run_dir, trainer, summary):  # into metrics.json, the loggers
+            report(line)
         for line in finish_trackers(trainer.loggers, summary):  # their final numbers, then each run ends
             report(line)
         return summary

@@ -1,0 +1,126 @@
+"""Downstream tasks (eval.tasks, attnres-tasks): attnres's own task data, the refusals (no lm-eval,
+data not local: one line, exit 2, before any model work), and a tiny sweep's verdict on a task.
+The bits-per-byte cross-check with the runner is tests/training/test_tasks_bpb.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from attnres.config.errors import ConfigError
+from attnres.training.data import SyntheticDataModule
+from attnres.training.data.common import TRAIN_STREAM
+from attnres.training.tasks import lmeval, local, main, paper
+from tests import helpers
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # nothing may reach the network in a test
+
+
+def test_pointer_documents_ask_the_last_hop_with_a_hop_short_and_a_hop_too_far_among_the_choices():
+    dm = SyntheticDataModule(num_symbols=8, num_hops=2, block_size=40)
+    docs = local.pointer_docs(dm, 50)
+    assert len(docs) == 50
+    for doc in docs:
+        words = doc["context"].split()  # the pairs, earlier queries, then this one's QUERY x_0 ANS
+        assert len(words) <= dm.block_size and words[-3] == "Q" and words[-1] == "A"
+        pairs = words[: 2 * dm.num_pairs]
+        follow = {pairs[i + 1]: pairs[i] for i in range(0, len(pairs), 2)}  # key k3 -> value v5
+        hop1 = follow[words[-2]]
+        hop2 = follow["k" + hop1[1:]]
+        hop3 = follow["k" + hop2[1:]]
+        assert doc["choices"][doc["label"]] == hop2
+        assert {hop1, hop3} <= set(doc["choices"]) and len(set(doc["choices"])) == 4
+    labels = [d["label"] for d in docs]
+    assert len(set(labels)) == 4  # the answer is not always in one place
+
+
+def test_pointer_documents_come_from_a_stream_no_run_trains_or_validates_on():
+    dm = SyntheticDataModule(num_symbols=8, num_hops=2, block_size=40)
+    task = dm._dataset(local.TASK_STREAM, 0, 100)
+    seen = {tuple(dm._dataset(TRAIN_STREAM, seed, 100)[i][0].tolist()) for seed in range(5) for i in range(100)}
+    seen |= {tuple(x.tolist()) for x, _ in dm.val_dataset()}
+    assert not any(tuple(task[i][0].tolist()) in seen for i in range(100))
+
+
+def test_next_line_documents_continue_their_context_with_the_true_line():
+    text = "".join(f"def function_{i}(argument):\n    return argument + {i * 7}\n\n" for i in range(300))
+    val = torch.tensor(list(text.encode())).numpy().astype("uint8")
+    docs = local.next_line_docs(val, 256, 40)
+    assert len(docs) == 40
+    for doc in docs:
+        truth = doc["choices"][doc["label"]]
+        assert doc["context"].endswith("\n") and truth.endswith("\n") and len(doc["context"].encode()) <= 256 - 82
+        assert doc["context"] + truth in text and len(set(doc["choices"])) == 4
+    with pytest.raises(ConfigError, match="block_size >= 98"):
+        local.next_line_docs(val, 64, 10)
+
+
+def test_settings_expand_the_papers_table_and_refuse_a_task_list_that_is_not_one():
+    opts = main.settings({"tasks": ["attnres_pointer", "paper_table3", "mmlu"]})
+    assert opts["tasks"][:3] == ["attnres_pointer", "mmlu", "mmlu_pro"] and "ceval-valid" in opts["tasks"]
+    assert len(opts["tasks"]) == 1 + 14  # CMath has no lm-eval task
+    assert paper.NO_TASK == ["CMath"] and "73.5 -> 74.6" in paper.beside("mmlu")
+    with pytest.raises(ConfigError, match=r"eval.tasks=\[attnres_bpb\]"):
+        main.settings({"tasks": 3})
+
+
+def test_offline_is_the_default_and_the_users_own_setting_wins(monkeypatch):
+    for name in lmeval.OFFLINE:
+        monkeypatch.delenv(name, raising=False)
+    lmeval.go_offline(True)
+    assert all(os.environ[n] == "1" for n in lmeval.OFFLINE)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    lmeval.go_offline(True)
+    assert os.environ["HF_DATASETS_OFFLINE"] == "0"
+
+
+# -- the command line: refusals and a tiny sweep ---------------------------------------------------
+TINY = helpers.tiny(steps=3, val_every=3, progress_bar=False)
+
+
+@pytest.mark.slow
+def test_a_task_whose_data_is_not_local_is_one_line_before_any_model_work(tmp_path):
+    empty = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"), **OFFLINE}
+    result = helpers.run_cli(*TINY, "eval.tasks=[attnres_pointer,hellaswag]", cwd=tmp_path, env=empty)
+    line = helpers.one_line_error(result)
+    assert "hellaswag (dataset Rowan/hellaswag)" in line and "not in the local cache" in line, line
+    assert "attnres_pointer" not in line.split("cache:")[1].split(";")[0]  # attnres's own task is local
+    assert "lm_eval --model dummy --tasks hellaswag" in line, line
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.ckpt"))
+
+
+@pytest.mark.slow
+def test_without_lm_eval_a_run_with_tasks_names_the_extra_in_one_line(tmp_path):
+    fake = tmp_path / "site" / "lm_eval"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'lm_eval'\", name='lm_eval')\n")
+    env = {"PYTHONPATH": str(tmp_path / "site"), **OFFLINE}
+    line = helpers.one_line_error(helpers.run_cli(*TINY, "eval.tasks=[attnres_pointer]", cwd=tmp_path, env=env))
+    assert line == "attnres-run: error: lm-eval is not installed; pip install 'attnres[eval]' (the eval extra) to " \
+                   "run tasks", line
+    assert helpers.run_cli(*TINY, cwd=tmp_path, env=env).returncode == 0  # without tasks nothing needs it
+
+
+@pytest.mark.slow
+def test_a_tiny_sweep_with_a_task_prints_a_verdict_per_strategy_and_task_metric(tmp_path):
+    result = helpers.run_cli("-m", *TINY, "residual=standard,block", "num_blocks=2", "seed=0,1",
+                             "eval.tasks=[attnres_pointer]", "eval.num_docs=40", "name=tasks", cwd=tmp_path,
+                             env=OFFLINE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdicts = [line for line in result.stdout.splitlines() if line.startswith("verdict:")]
+    task = [line for line in verdicts if "attnres_pointer/acc" in line]
+    assert len(task) == 1 and task[0].startswith("verdict: block vs standard: "), verdicts
+    assert "(paired t, 2 seeds; higher is better)" in task[0], task[0]
+    assert any("val/accuracy" in line for line in verdicts)
+    header = next(line for line in result.stdout.splitlines() if line.startswith("job"))
+    assert "attnres_pointer/acc" in header
+    summary = (tmp_path / "multirun" / "tasks" / "summary.md").read_text()
+    assert "attnres_pointer/acc" in summary
+    run = next(p.parent for p in (tmp_path / "multirun" / "tasks").glob("*/metrics.json")
+               if "residual=block" in p.parent.name and "seed=0" in p.parent.name)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert 0.0 <= metrics["metrics"]["attnres_pointer/acc"] <= 1.0
+    assert metrics["tasks"]["samples"] == {"attnres_pointer": 40} and metrics["tasks"]["lm_eval_version"]
