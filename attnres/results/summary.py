@@ -34,11 +34,12 @@ NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "
 STRATEGY_KEYS = ("residual", "num_blocks")
 #: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed
 #: before it could say; also killed while continuing a finished run: metrics.json "running");
-#: "duplicate": the same run as another job of the sweep, not run again;
+#: "duplicate": the same run as another job of the sweep, not run again; "diverged": a tuned sweep's
+#: trial whose loss went non-finite (attnres.sweep.tuned: a finding of its search, not a failure);
 #: under SLURM (slurm.py) a job that ended without saying how: "cancelled" (also before it ran),
 #: "preempted", "timed out", "lost" (a node failure, or no record of how it ended)
-STATUS_ORDER = ("finished", "failed", "interrupted", "cancelled", "preempted", "timed out", "lost", "unfinished",
-                "duplicate")
+STATUS_ORDER = ("finished", "diverged", "failed", "interrupted", "cancelled", "preempted", "timed out", "lost",
+                "unfinished", "duplicate")
 #: the keys that do not name a run folder (conf/config.yaml: hydra.job.config.override_dirname)
 DEFAULT_EXCLUDED = ("name", "tune", "resume", "ckpt_path", "overwrite", "trainer.enable_progress_bar",
                     "data.num_workers")
@@ -163,9 +164,12 @@ def write_trial_names(sweep_dir: Path, overrides: dict[str, dict[str, str]]) -> 
 def trial_name(run_dir: Path) -> str | None:
     """The name its sweep gave this run for the HParams table (`write_trial_names`), or None."""
     run_dir = Path(run_dir)
-    names = read_json(run_dir.parent / TRIAL_NAMES)
-    name = names.get(run_dir.name) if isinstance(names, dict) else None
-    return name if isinstance(name, str) and name else None
+    for base in (run_dir.parent, run_dir.parent.parent):  # a tuned sweep's trials: <sweep>/tuning/<run>
+        names = read_json(base / TRIAL_NAMES)
+        name = names.get(run_dir.relative_to(base).as_posix()) if isinstance(names, dict) else None
+        if isinstance(name, str) and name:
+            return name
+    return None
 
 
 def config_labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:

@@ -150,7 +150,10 @@ def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: 
 sweep_jobs: dict[str, dict[str, str | None]] = {}
 sweep_notes: dict[str, dict[str, Any]] = {}  # sweep folder -> its jobs.json, over the batches this process launched
 outcomes: dict[str, Counter] = {}  # sweep folder -> how its jobs ended (record_outcome)
-OK_STATUSES = ("finished", "duplicate")  # any other status of a job makes the exit status 1
+OK_STATUSES = ("finished", "duplicate", "diverged")  # any other status of a job makes the exit status 1
+#: sweep folder -> the trials of a tuned sweep's search whose loss went non-finite: a finding of the search
+#: (an lr too high), scored as its worst, "diverged" in the counts rather than "failed" (attnres.sweep.tuned)
+diverged: dict[str, set[str]] = {}
 summary_unwritten: list[Path] = []  # sweep folders whose summary a full disk refused (SweepSummary)
 
 
@@ -164,8 +167,9 @@ def record_outcome(sweep_dir: Path) -> Counter:
     with a launcher whose jobs run elsewhere (SLURM), every job folder of `sweep_dir`."""
     jobs = sweep_jobs.get(folder_key(sweep_dir))
     if jobs:
-        statuses = ["duplicate" if same_as else read_status(sweep_dir / name) or "unfinished"
-                    for name, same_as in jobs.items()]
+        gone = diverged.get(folder_key(sweep_dir), set())
+        statuses = ["duplicate" if same_as else "diverged" if name in gone else
+                    read_status(sweep_dir / name) or "unfinished" for name, same_as in jobs.items()]
     else:
         statuses = [row["status"] for row in collect_rows(sweep_dir)]
     counts = outcomes[folder_key(sweep_dir)] = status_counts(statuses)

@@ -174,7 +174,9 @@ class TunedSweeper(Sweeper):
         if fresh or self.config.get("resume") or self.config.get("overwrite"):  # else the launcher refuses first
             tuning.write_state(sweep_dir, state)  # the search's settings, for a resume's check, before any run
         if self.method == "grid":
-            done = self.grid_search(sweep_dir, state)
+            from attnres.sweep.tuned_grid import grid_search
+
+            done = grid_search(self, sweep_dir, state)
         else:
             from attnres.sweep.tuned_optuna import optuna_search
 
@@ -281,63 +283,10 @@ class TunedSweeper(Sweeper):
             status = "no metric" if value is None else "diverged"
         if status == "failed" and "non-finite" in str(metrics.get("error", "")):
             status = "diverged"
+        if status == "diverged":
+            plan.diverged.setdefault(plan.folder_key(sweep_dir), set()).add(name)
         return {"job": name, "status": status, "value": value if status == "finished" else None,
                 "error": metrics.get("error")}
-
-    def grid_search(self, sweep_dir: Path, state: dict[str, Any]) -> bool:
-        """Stage 1 with method=grid; False when stopped."""
-        points, factor, extend = int(self.grid["points"]), float(self.grid["factor"]), int(self.grid["max_extend"])
-        for group in state["groups"]:
-            group.update(extended={"down": 0, "up": 0}, initial_trials=points * len(self.tuning_seeds))
-        launched: set[tuple[str, int, int]] = set()
-        while True:
-            batch, pending = [], []
-            for group in state["groups"]:
-                group["exponents"] = tuning.grid_range(points, group["extended"]["down"], group["extended"]["up"])
-                for k in group["exponents"]:
-                    values = {key: tuning.scaled(v, factor ** k) for key, v in group["centre"].items()}
-                    for seed in self.tuning_seeds:
-                        if (group["label"], k, seed) not in launched:
-                            launched.add((group["label"], k, seed))
-                            overrides = self.trial_overrides(group, values, seed)
-                            batch.append(overrides)
-                            pending.append((group, k, seed, values, overrides))
-            if not batch:
-                break
-            if len(state["groups"]) and batch:
-                log.info(f"tuned sweep: search, {len(batch)} trial runs")
-            ok = self.launch(batch)
-            for group, k, seed, values, overrides in pending:
-                group["trials"].append({"point": k, "seed": seed, "values": values, **self.trial_result(overrides)})
-            tuning.write_state(sweep_dir, state)
-            if not ok:
-                return False
-            grew = False
-            for group in state["groups"]:
-                means = tuning.point_means(group["trials"], self.tuning_seeds)
-                best = tuning.best_point(means)
-                edge = tuning.grid_edge(best, group["exponents"])
-                for side in ("down", "up"):
-                    if edge in (side, "both") and group["extended"][side] < extend:
-                        group["extended"][side] += 1
-                        grew = True
-                        print(f"tuned sweep: {group['label']}'s best {', '.join(group['centre'])} is at the grid's "
-                              f"{'lower' if side == 'down' else 'upper'} edge; the grid grows one point "
-                              f"{side} ({group['extended'][side]} of {extend})", flush=True)
-            if not grew:
-                break
-        for group in state["groups"]:
-            means = tuning.point_means(group["trials"], self.tuning_seeds)
-            best = tuning.best_point(means)
-            group["means"] = {str(k): m for k, m in means.items()}
-            group["chosen"] = best
-            group["chosen_multiplier"] = None if best is None else factor ** best
-            group["chosen_values"] = None if best is None else \
-                {key: tuning.scaled(v, factor ** best) for key, v in group["centre"].items()}
-            group["chosen_mean"] = None if best is None else means[best]
-            group["edge"] = tuning.grid_edge(best, group["exponents"])
-        tuning.write_state(sweep_dir, state)
-        return True
 
     def verdict_stage(self, sweep_dir: Path, state: dict[str, Any]) -> None:
         """Stage 2: every job of the command line at its arm's choice (and, with untuned, as configured)."""

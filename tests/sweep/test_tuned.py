@@ -74,6 +74,7 @@ class SurfaceLauncher:
                  stop_at_job: int = 0) -> None:
         self.sweeper, self.best, self.stop_after, self.stop_at_job = sweeper, best, stop_after, stop_at_job
         self.batches: list[list[list[str]]] = []
+        self.diverge_above = math.inf  # a trial at a higher lr fails with a non-finite loss
 
     def launch(self, batch, initial_job_idx):
         self.batches.append([list(b) for b in batch])
@@ -82,6 +83,8 @@ class SurfaceLauncher:
                 stopping.stopped_by = signal.SIGTERM
                 return []
             name, folder = self.sweeper.run_dir(overrides)
+            sweep_dir = Path(str(self.sweeper.config.hydra.sweep.dir))
+            plan.sweep_jobs.setdefault(plan.folder_key(sweep_dir), {})[name] = None  # as plan_jobs records them
             if (folder / "metrics.json").is_file():  # resume=true skips a finished job
                 continue
             cfg = self.sweeper.compose(overrides)
@@ -96,6 +99,10 @@ class SurfaceLauncher:
                            folder / ".hydra" / "hydra.yaml")
             task = [o for o in overrides if not o.startswith("hydra.")]
             OmegaConf.save(OmegaConf.create(task), folder / ".hydra" / "overrides.yaml")
+            if lr > self.diverge_above:
+                failed = {"status": "failed", "error": "non-finite loss at step 3"}
+                (folder / "metrics.json").write_text(json.dumps(failed))
+                continue
             (folder / "metrics.json").write_text(json.dumps(
                 {"status": "finished", "metrics": {"val/loss": loss, "val/bpb": loss / math.log(2)}}))
         return []
@@ -175,6 +182,26 @@ def test_the_search_never_runs_a_verdict_seed_and_the_verdict_reads_the_tuned_ru
     assert head.startswith("verdict, each arm at its own best: block vs standard:") and "paired t, 3 seeds" in head
     assert any(line.startswith("search budget: equal across arms: 6 trials each at first") for line in lines)
     assert {r["stage"] for r in rows} == {"tuned"} and len(rows) == 6
+
+
+def test_a_diverged_trial_is_the_worst_point_and_no_failure_of_the_sweep(tmp_path):
+    sweeper = make_sweeper(tmp_path, grid={**GRID, "factor": 4.0, "max_extend": 0})
+    sweeper.launcher = SurfaceLauncher(sweeper, {"standard": 3.0})  # the best lr (0.024) diverges
+    sweeper.launcher.diverge_above = 0.01
+    plan.sweep_jobs.clear()
+    plan.outcomes.clear()
+    sweeper.sweep(["tune=lr", "residual=standard", "seed=0"])
+    state = tuning.read_state(tmp_path / "sweep")
+    (group,) = state["groups"]
+    assert {t["status"] for t in group["trials"] if t["point"] == 1} == {"diverged"}
+    assert group["chosen"] == 0 and group["edge"] is None  # the diverged point is the worst, not skipped over
+    counts = plan.record_outcome(tmp_path / "sweep")
+    assert counts["diverged"] == 2 and "failed" not in counts and plan.exit_status() == 0
+    rows, lines = write_tuned_summary(tmp_path / "sweep")
+    assert "2 trials diverged or failed (scored as the worst)" in next(x for x in lines if x.startswith("chosen:"))
+    plan.sweep_jobs.clear()
+    plan.outcomes.clear()
+    plan.diverged.clear()
 
 
 def test_a_tuning_seed_that_is_a_verdict_seed_is_refused(tmp_path, capsys):
