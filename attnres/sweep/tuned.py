@@ -254,7 +254,9 @@ class TunedSweeper(Sweeper):
             how = f"Optuna ({self.optuna.get('sampler', 'tpe')}), {self.optuna.get('trials', 12)} trials of " + \
                   ", ".join(self.searched_keys())
         proxy = f" at {', '.join(f'{k}={v}' for k, v in self.proxy.items())}" if self.proxy else ""
-        print(f"tuned sweep: {len(arms)} arm{'s' * (len(arms) != 1)}; search{proxy}: {how}, on tuning seeds "
+        what = f"{len(arms)} arm{'s' * (len(arms) != 1)}" if len(arms) == len(groups) else \
+            f"{len(arms)} configurations, {len(groups)} arms"
+        print(f"tuned sweep: {what}; search{proxy}: {how}, on tuning seeds "
               f"{', '.join(map(str, self.tuning_seeds))}: {per * len(groups)} runs ({per} per arm); verdict: "
               f"{sum(len(a['seeds']) for a in arms)} runs on seeds {', '.join(map(str, seeds))}"
               + (", and as many at the configured values (untuned=true)" if self.untuned else ""), flush=True)
