@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import time
@@ -76,17 +77,23 @@ class SurfaceLauncher:
         self.batches: list[list[list[str]]] = []
         self.diverge_above = math.inf  # a trial at a higher lr fails with a non-finite loss
 
+    @property
+    def config(self):  # what plan.plan_jobs reads of a launcher
+        return self.sweeper.config
+
+    @property
+    def hydra_context(self):
+        return self.sweeper.hydra_context
+
     def launch(self, batch, initial_job_idx):
         self.batches.append([list(b) for b in batch])
-        for index, overrides in enumerate(batch):
+        sweep_dir = Path(str(self.sweeper.config.hydra.sweep.dir))
+        to_run = [overrides for overrides, _ in plan.plan_jobs(self, batch, sweep_dir)]  # dedup, resume's skips
+        for index, overrides in enumerate(to_run):
             if self.stop_after is not None and len(self.batches) > self.stop_after and index >= self.stop_at_job:
                 stopping.stopped_by = signal.SIGTERM
                 return []
             name, folder = self.sweeper.run_dir(overrides)
-            sweep_dir = Path(str(self.sweeper.config.hydra.sweep.dir))
-            plan.sweep_jobs.setdefault(plan.folder_key(sweep_dir), {})[name] = None  # as plan_jobs records them
-            if (folder / "metrics.json").is_file():  # resume=true skips a finished job
-                continue
             cfg = self.sweeper.compose(overrides)
             lr, seed = float(OmegaConf.select(cfg, "optim.optimizer.lr")), int(cfg.seed)
             arm = cfg.hydra.runtime.choices.residual
@@ -113,6 +120,9 @@ def make_sweeper(tmp_path: Path, *overrides: str, **settings) -> TunedSweeper:
     from hydra._internal.utils import create_config_search_path
     from hydra.types import HydraContext, RunMode
 
+    from hydra.core.utils import setup_globals
+
+    setup_globals()  # the ${hydra:...} resolver, as a Hydra app has it
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(REPO / "conf")))
     config = loader.load_configuration("config", overrides=["tune=lr", f"hydra.sweep.dir={tmp_path / 'sweep'}",
                                                             *overrides], run_mode=RunMode.MULTIRUN)
@@ -202,6 +212,37 @@ def test_a_diverged_trial_is_the_worst_point_and_no_failure_of_the_sweep(tmp_pat
     plan.sweep_jobs.clear()
     plan.outcomes.clear()
     plan.diverged.clear()
+
+
+def test_identical_arms_run_their_trials_once(tmp_path):
+    # residual=standard ignores num_blocks: the two arms are one run each, deduplicated by the launcher
+    sweeper, launcher = run_sweeper(tmp_path, {"standard": 1.0}, "residual=standard", "num_blocks=2,4", "seed=0",
+                                    grid=GRID)
+    state = tuning.read_state(tmp_path / "sweep")
+    first, second = state["groups"]
+    assert [t["value"] for t in first["trials"]] == [t["value"] for t in second["trials"]]
+    assert first["chosen"] == second["chosen"] == 1
+    notes = json.loads((tmp_path / "sweep" / "jobs.json").read_text())
+    assert sum(n["status"] == "duplicate" for n in notes.values()) == len(second["trials"]) + 1  # + its verdict run
+    made = [p for p in (tmp_path / "sweep" / "tuning").iterdir() if p.is_dir()]
+    assert len(made) == len(first["trials"])
+
+
+def test_a_paper_sweep_searches_at_its_proxy_and_prices_the_trials_apart(tmp_path, capsys):
+    sweeper = make_sweeper(tmp_path, "experiment=paper_scaling", "+hydra.sweeper.proxy.size=194m", "data=tokens",
+                           "data.path=data", "trainer.accelerator=gpu", proxy={"size": "194m"},
+                           params={"size": "194m,241m,296m,436m,528m", "residual": "standard,block,full"})
+    jobs = sweeper.jobs_of(["tune=lr", "experiment=paper_scaling", "data=tokens", "data.path=data",
+                            "trainer.accelerator=gpu"])
+    state = sweeper.start_state(tmp_path / "sweep", jobs)
+    assert [g["label"] for g in state["groups"]] == ["standard", "block", "full"] and len(state["arms"]) == 15
+    assert {g["centre"]["optim.optimizer.lr"] for g in state["groups"]} == {2.99e-3}  # Table 2's lr at 194m
+    out = capsys.readouterr().out
+    assert "15 configurations, 3 arms; search at size=194m" in out
+    trials, verdict = (float(x.replace(",", "")) for x in
+                       re.search(r"about ([0-9,.]+) GPU-hours of search trials .* and ([0-9,.]+) GPU-hours of verdict",
+                                 out).groups())
+    assert 3000 < verdict < 3300 and 0 < trials < verdict  # the paper's 3,166 GPU-hours; 30 runs at 194m
 
 
 def test_a_tuning_seed_that_is_a_verdict_seed_is_refused(tmp_path, capsys):
