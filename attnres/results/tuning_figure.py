@@ -30,6 +30,7 @@ def search_keys(state: Mapping[str, Any]) -> list[str]:
 def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
     """One panel per searched key: each arm's trials (points), their mean (line), the choice (star)."""
     metric = state.get("signature", {}).get("metric", "val/loss")
+    grid = state.get("signature", {}).get("method", "grid") == "grid"  # optuna: each trial moves every key
     seeds = state.get("tuning_seeds", [])
     groups = state.get("groups", [])
     colours = dict(zip([g["label"] for g in groups], strategy_colours([g["label"] for g in groups]), strict=True))
@@ -54,25 +55,33 @@ def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
             chosen = group.get("chosen")
             if chosen is not None and any(t["point"] == chosen for t in trials):
                 cx, cy = _x(trials, chosen, key), means.get(chosen)
-                edge = group.get("edge")
+                edge = group.get("edge") if group.get("edge_key") in (None, key) else None
                 hollow = edge is not None
                 ax.scatter([cx], [cy], marker="*", s=170, zorder=5, edgecolors=colour,
                            facecolors="none" if hollow else colour, linewidths=1.4)
                 label += f": {tuning.format_value(cx)}" + (f" (at the {'upper' if edge == 'up' else 'lower'} "
                                                             "edge)" if hollow else "")
-            if line:
+            if line and grid:
                 ax.plot(*zip(*line, strict=True), color=colour, linewidth=1.6, label=label, zorder=4)
+            elif line:  # a trial's mean over seeds; no line: neighbouring trials differ in the other keys too
+                ax.scatter(*zip(*line, strict=True), color=colour, s=36, marker="D", label=label, zorder=4)
         ax.set_xscale("log")
-        if 0 < len(ticks) <= 12:  # the searched values themselves, not log decades
-            from matplotlib.ticker import NullFormatter
+        from matplotlib.ticker import FuncFormatter, NullFormatter
 
+        ax.xaxis.set_minor_formatter(NullFormatter())  # log minor labels overlap on a narrow range
+        if grid and 0 < len(ticks) <= 12:  # the searched values themselves, not log decades
             ax.set_xticks(sorted(ticks), [tuning.format_value(x) for x in sorted(ticks)], rotation=30)
-            ax.xaxis.set_minor_formatter(NullFormatter())
+        elif ticks:  # trials anywhere in a range: four ticks across it, two significant digits
+            low, high = min(ticks), max(ticks)
+            marks = sorted({float(f"{x:.2g}") for x in np.geomspace(low, high, 4)}) if high > low > 0 else [low]
+            ax.set_xticks(marks, [tuning.format_value(x) for x in marks], rotation=30)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: tuning.format_value(x)))
         ax.set_xlabel(key, fontsize=8)
         ax.set_ylabel(f"{metric} (tuning seeds {', '.join(map(str, seeds))})", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="mean over seeds; * chosen", title_fontsize=7)
+        ax.legend(fontsize=7, title="mean over seeds; * chosen" if grid else "a trial's mean over seeds; * chosen",
+                  title_fontsize=7)
     for ax in axes[len(search_keys(state)):]:
         ax.set_visible(False)
 

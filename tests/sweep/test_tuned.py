@@ -118,9 +118,8 @@ class SurfaceLauncher:
 def make_sweeper(tmp_path: Path, *overrides: str, **settings) -> TunedSweeper:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
-    from hydra.types import HydraContext, RunMode
-
     from hydra.core.utils import setup_globals
+    from hydra.types import HydraContext, RunMode
 
     setup_globals()  # the ${hydra:...} resolver, as a Hydra app has it
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(REPO / "conf")))
