@@ -46,7 +46,7 @@ def test_pointer_documents_come_from_a_stream_no_run_trains_or_validates_on():
 
 
 def test_next_line_documents_continue_their_context_with_the_true_line():
-    text = "".join(f"def function_{i}(argument):\n    return argument + {i * 7}\n\n" for i in range(300))
+    text = "".join(f"def function_{i}(argument):\n    return argument + {i * 7}\n\n\n\n" for i in range(300))
     val = torch.tensor(list(text.encode())).numpy().astype("uint8")
     docs = local.next_line_docs(val, 256, 40)
     assert len(docs) == 40
@@ -54,6 +54,10 @@ def test_next_line_documents_continue_their_context_with_the_true_line():
         truth = doc["choices"][doc["label"]]
         assert doc["context"].endswith("\n") and truth.endswith("\n") and len(doc["context"].encode()) <= 256 - 82
         assert doc["context"] + truth in text and len(set(doc["choices"])) == 4
+        assert doc["context"].strip()  # lm-eval refuses a context that is whitespace alone
+    sparse = "".join(f"value_{i} = {i * 7}  # a line\n" + "\n" * 70 for i in range(40))  # blank lines between
+    sparse_docs = local.next_line_docs(torch.tensor(list(sparse.encode())).numpy().astype("uint8"), 256, 40)
+    assert sparse_docs and all(doc["context"].strip() for doc in sparse_docs)
     with pytest.raises(ConfigError, match="block_size >= 98"):
         local.next_line_docs(val, 64, 10)
 
@@ -124,3 +128,26 @@ def test_a_tiny_sweep_with_a_task_prints_a_verdict_per_strategy_and_task_metric(
     metrics = json.loads((run / "metrics.json").read_text())
     assert 0.0 <= metrics["metrics"]["attnres_pointer/acc"] <= 1.0
     assert metrics["tasks"]["samples"] == {"attnres_pointer": 40} and metrics["tasks"]["lm_eval_version"]
+
+
+@pytest.mark.slow
+def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard(tmp_path):
+    run = helpers.run_cli(*helpers.tiny(data="stdlib", steps=3, val_every=3, progress_bar=False),
+                          "data.max_files=20", "data.block_size=128", "name=bytes", cwd=tmp_path, env=OFFLINE)
+    assert run.returncode == 0, run.stderr[-3000:]
+    folder = next((tmp_path / "outputs" / "bytes").iterdir())
+    val_bpb = json.loads((folder / "metrics.json").read_text())["metrics"]["val/bpb"]
+    result = helpers.run_script("attnres/training/tasks/main.py", str(folder), "--tasks",
+                                "attnres_next_line,attnres_bpb", "--num-docs", "40", cwd=tmp_path, env=OFFLINE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("tasks: lm-eval 0.4.") and "attnres_next_line/acc " in result.stdout
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["tasks"]["samples"] == {"attnres_next_line": 40, "attnres_bpb": 1}
+    assert 0.0 <= metrics["metrics"]["attnres_next_line/acc"] <= 1.0
+    # the held-out text after its first byte, read after "\n": the runner's val/bpb but for one byte's context
+    assert abs(metrics["metrics"]["attnres_bpb/bits_per_byte"] - val_bpb) < 0.01
+    assert list((folder / "tasks").glob("events.out.tfevents.*"))
+    again = helpers.run_script("attnres/training/tasks/main.py", str(folder), "--tasks", "nonexistent_task",
+                               cwd=tmp_path, env=OFFLINE)
+    assert again.returncode == 2 and again.stderr.startswith("attnres-tasks: error: unknown task(s) nonexistent_task")
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr

@@ -84,10 +84,12 @@ def pointer_docs(dm: Any, num_docs: int) -> list[dict[str, Any]]:
 
 
 def next_line_docs(val: np.ndarray, block_size: int, num_docs: int) -> list[dict[str, Any]]:
-    """Documents of attnres_next_line from held-out bytes: the lines before a line (at most
-    `block_size - MAX_LINE - 2` bytes of them, cut at a line start), and four choices."""
+    """Documents of attnres_next_line from held-out bytes: the text before a line (its last
+    `block_size - MAX_LINE - 2` bytes, so that context and choice fit the model's window), and four
+    choices: the line that follows and three others of the held-out text."""
     text = bytes(val[: 8 << 20]).decode("utf-8", errors="replace")
     lines = text.split("\n")
+    starts = np.concatenate([[0], np.cumsum([len(line) + 1 for line in lines])])  # where line i starts in text
     budget = block_size - MAX_LINE - 2
     if budget < 16:
         raise ConfigError(f"attnres_next_line needs data.block_size >= {MAX_LINE + 18} (a line and its context); "
@@ -100,14 +102,11 @@ def next_line_docs(val: np.ndarray, block_size: int, num_docs: int) -> list[dict
     rng = np.random.default_rng(0)
     docs = []
     for i in sorted(rng.choice(pool, size=min(num_docs, len(pool)), replace=False).tolist()):
-        before, size = [], 0
-        for line in reversed(lines[max(0, i - 64) : i]):
-            size += len(line.encode()) + 1
-            if size > budget:
-                break
-            before.append(line)
-        if not before:
-            continue
+        context = text[max(0, int(starts[i]) - budget) : int(starts[i])]
+        while len(context.encode()) > budget:  # characters of more than one byte
+            context = context[1:]
+        if not context.strip():  # lm-eval moves a context's trailing whitespace into the choices:
+            continue  # one of whitespace alone would be left empty
         truth = lines[i]
         others: list[str] = []
         while len(others) < 3:
@@ -116,8 +115,7 @@ def next_line_docs(val: np.ndarray, block_size: int, num_docs: int) -> list[dict
                 others.append(pick)
         choices = [truth, *others]
         order = rng.permutation(4).tolist()
-        docs.append({"context": "\n".join(reversed(before)) + "\n", "choices": [choices[k] + "\n" for k in order],
-                     "label": order.index(0)})
+        docs.append({"context": context, "choices": [choices[k] + "\n" for k in order], "label": order.index(0)})
     return docs
 
 

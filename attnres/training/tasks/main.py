@@ -133,7 +133,8 @@ def lines(result: dict[str, Any]) -> list[str]:
     out = [f"tasks: lm-eval {result['lm_eval_version']}, {result['seconds']:.1f} s"]
     for key, value in result["metrics"].items():
         task = key.split("/", 1)[0]
-        shown = f"{100 * value:.1f}" if key.endswith(("/acc", "/acc_norm", "/exact_match")) else f"{value:.4f}"
+        shown = f"{100 * value:.1f}" if key.endswith(("/acc", "/acc_norm", "/exact_match")) else \
+            f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"  # an untrained model's word perplexity
         note = paper.beside(task)
         out.append(f"  {key:<40} {shown}" + (f"   ({note})" if note else ""))
     if any(t in paper.BY_TASK for t in result["metrics"]) and paper.NO_TASK:
