@@ -110,7 +110,7 @@ COMPOSED_MISTAKES = [
     ("add-unread-in-sweep", ["-m", "seed=0,1", "+nonfinite.polcy=skip"], "nothing reads nonfinite.polcy"),
     ("delete-missing", ["~nope"], "~nope deletes a key that does not exist"),
     ("launcher", ["hydra/launcher=nope"], "unknown hydra/launcher 'nope'"),
-    ("leaf-elsewhere", ["val_fraction=0.1"], "did you mean data.val_fraction?"),
+    ("leaf-elsewhere", ["block_size=64"], "did you mean data.block_size?"),
     ("config-as-value", ["optim.optimizer=5"], "optim.optimizer is a group of settings"),
     ("bool-untyped-key", ["callbacks.checkpoint.auto_insert_metric_name=no"], "true or"),
     ("int-untyped-key", ["callbacks.progress_bar.refresh_rate=abc"], "is not an integer"),
