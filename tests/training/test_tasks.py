@@ -143,6 +143,7 @@ def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard
     assert result.stdout.startswith("tasks: lm-eval 0.4.") and "attnres_next_line/acc " in result.stdout
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["tasks"]["samples"] == {"attnres_next_line": 40, "attnres_bpb": 1}
+    bpb_folder = metrics["tasks"]["task_folders"]["attnres_bpb"]
     assert 0.0 <= metrics["metrics"]["attnres_next_line/acc"] <= 1.0
     # the held-out text after its first byte, read after "\n": the runner's val/bpb but for one byte's context
     assert abs(metrics["metrics"]["attnres_bpb/bits_per_byte"] - val_bpb) < 0.01
@@ -151,3 +152,17 @@ def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard
                                cwd=tmp_path, env=OFFLINE)
     assert again.returncode == 2 and again.stderr.startswith("attnres-tasks: error: unknown task(s) nonexistent_task")
     assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+
+    # the same model exported: attnres's own tasks need the run's data, a folder of task YAMLs runs as it is
+    export = helpers.run_script("attnres/training/export.py", str(folder), str(tmp_path / "hf"), cwd=tmp_path)
+    assert export.returncode == 0, export.stderr[-3000:]
+    exported_files = list((tmp_path / "hf").iterdir())
+    own = helpers.run_script("attnres/training/tasks/main.py", str(tmp_path / "hf"), "--tasks", "attnres_bpb",
+                             cwd=tmp_path, env=OFFLINE)
+    assert own.returncode == 2 and "need(s) the run's data" in own.stderr and len(own.stderr.splitlines()) == 1
+    given = helpers.run_script("attnres/training/tasks/main.py", str(tmp_path / "hf"), "--tasks", "attnres_bpb",
+                               "--include-path", bpb_folder, cwd=tmp_path, env=OFFLINE)
+    assert given.returncode == 0, given.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(p.name for p in exported_files)  # untouched
+    shown = next(line for line in given.stdout.splitlines() if "attnres_bpb/bits_per_byte" in line)
+    assert abs(float(shown.split()[-1]) - metrics["metrics"]["attnres_bpb/bits_per_byte"]) < 1e-4, shown

@@ -26,7 +26,7 @@ from attnres.training.tasks import lmeval, local, paper
 
 PROG = "attnres-tasks"
 DEFAULTS = {"tasks": [], "limit": None, "num_fewshot": None, "batch_size": 16, "offline": True, "num_docs": 500,
-            "unsafe_code": False}
+            "unsafe_code": False, "include_path": []}
 #: the tokenizers' model_max_length: lm-eval is told the model's context (max_length) itself and cuts
 #: what it feeds to it; the tokenizer only encodes (context + continuation may be one longer)
 LONG = 1 << 30
@@ -41,6 +41,11 @@ def settings(cfg: DictConfig | dict | None) -> dict[str, Any]:
     if not isinstance(out["tasks"], list) or not all(isinstance(t, str) for t in out["tasks"]):
         raise ConfigError(f"eval.tasks={out['tasks']!r} must be a list of task names, e.g. eval.tasks=[attnres_bpb]")
     out["tasks"] = paper.expand(out["tasks"])
+    if isinstance(out["include_path"], str):
+        out["include_path"] = [out["include_path"]]
+    for folder in out["include_path"]:
+        if not Path(str(folder)).expanduser().is_dir():
+            raise ConfigError(f"eval.include_path: {folder} is not a folder; pass folders of lm-eval task YAMLs")
     return out
 
 
@@ -52,10 +57,13 @@ class Prepared:
         lmeval.go_offline(bool(opts["offline"]))
         self.version = lmeval.lm_eval_version()
         own = [t for t in self.tasks if t in local.OWN_TASKS]
-        if own and datamodule is None:
-            raise ConfigError(f"{', '.join(own)} need(s) the run's data: pass the run folder, not an exported one")
-        folders = local.prepare_own(own, datamodule, int(opts["num_docs"])) if own else {}
-        self.manager = lmeval.task_manager(list(folders.values()))
+        if own and datamodule is None and not opts["include_path"]:
+            raise ConfigError(f"{', '.join(own)} need(s) the run's data: pass the run folder, not an exported one "
+                              "(or --include-path the task's folder under $ATTNRES_CACHE/tasks/)")
+        folders = local.prepare_own(own, datamodule, int(opts["num_docs"])) if own and datamodule is not None else {}
+        self.folders = {task: str(folder) for task, folder in folders.items()}  # lm_eval --include_path each
+        given = [Path(str(p)).expanduser().absolute() for p in opts["include_path"]]
+        self.manager = lmeval.task_manager([*folders.values(), *given])
         lmeval.check_tasks(self.tasks, self.manager, bool(opts["unsafe_code"]))
 
 
@@ -102,9 +110,10 @@ def run_data(cfg: DictConfig) -> Any:
 
 def evaluate(prepared: Prepared, model: Any, tokenizer: Any, prefix: int | None) -> dict[str, Any]:
     o = prepared.opts
-    return lmeval.evaluate(model, tokenizer, prepared.tasks, prepared.manager, batch_size=int(o["batch_size"]),
-                           limit=o["limit"], num_fewshot=o["num_fewshot"], prefix_token_id=prefix,
-                           unsafe_code=bool(o["unsafe_code"]))
+    result = lmeval.evaluate(model, tokenizer, prepared.tasks, prepared.manager, batch_size=int(o["batch_size"]),
+                             limit=o["limit"], num_fewshot=o["num_fewshot"], prefix_token_id=prefix,
+                             unsafe_code=bool(o["unsafe_code"]))
+    return {**result, "task_folders": prepared.folders} if prepared.folders else result
 
 
 def record(run_dir: Path, result: dict[str, Any], step: int | None = None, loggers: Any = ()) -> dict[str, Any]:
@@ -169,9 +178,7 @@ def evaluate_folder(folder: Path, opts: dict[str, Any], checkpoint: str = "last"
     if (folder / "config.json").is_file() and not (folder / ".hydra").is_dir():
         prepared = Prepared(opts, None)
         model, tok, prefix = hf_model_of_folder(folder)
-        result = evaluate(prepared, model, tok, prefix)
-        record(folder, result)
-        return result
+        return evaluate(prepared, model, tok, prefix)  # printed; an exported folder stays as attnres-export wrote it
     from attnres.training.export import check_run
 
     cfg, _, ckpt = check_run(folder, checkpoint)
@@ -195,12 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-docs", type=int, default=DEFAULTS["num_docs"],
                         help="documents attnres generates for each of its own tasks")
     parser.add_argument("--checkpoint", choices=("last", "best"), default="last", help="which checkpoint of a run")
+    parser.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                        help="a folder of lm-eval task YAMLs of your own (repeatable; lm_eval's --include_path)")
     parser.add_argument("--online", action="store_true", help="let lm-eval reach the Hub (default: offline)")
     parser.add_argument("--unsafe-code", action="store_true", help="allow tasks that run the model's code")
     args = parser.parse_args(argv)
     opts = {**DEFAULTS, "tasks": args.tasks, "limit": args.limit, "num_fewshot": args.num_fewshot,
             "batch_size": args.batch_size, "num_docs": args.num_docs, "offline": not args.online,
-            "unsafe_code": args.unsafe_code}
+            "unsafe_code": args.unsafe_code, "include_path": args.include_path}
     folder = Path(args.folder).expanduser()
     try:
         if not folder.is_dir():
@@ -214,8 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     for line in lines(result):
         print(line)
-    print(f"  recorded in {folder / 'metrics.json'} and TensorBoard ({folder / 'tasks'})"
-          if (folder / "metrics.json").is_file() else f"  TensorBoard: {folder / 'tasks'}")
+    if (folder / "metrics.json").is_file():
+        print(f"  recorded in {folder / 'metrics.json'} and TensorBoard ({folder / 'tasks'})")
 
 
 if __name__ == "__main__":
