@@ -1,6 +1,7 @@
 """The lm-eval bridge is exact: attnres_bpb, scored by lm-eval's loglikelihood_rolling on the model
 in memory, equals the runner's own val/bpb on the same held-out text (tokenizer, the "\\n" a text
-starts after, the context window of block_size)."""
+starts after, the context window of block_size); lm-eval's batched generation (left padding, an
+attention_mask) gives each prompt its own greedy text."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ BLOCK = {"_target_": "attnres.BlockAttentionResidual", "num_blocks": 2, "kernel"
 def offline(monkeypatch):
     for name in lmeval.OFFLINE:
         monkeypatch.setenv(name, "1")
+    lmeval.go_offline(True)  # also in huggingface_hub and datasets, if imported already
 
 
 def held_out_text(tmp_path):
@@ -83,3 +85,49 @@ def test_attnres_bpb_through_lm_eval_is_the_runners_val_bpb(tmp_path, offline, m
     assert 4.0 < ours < 16.0
     assert abs(theirs - ours) < 1e-3, (theirs, ours)
     assert abs(theirs - ours) < 1e-5  # in fact only the order of float32 sums differs
+
+
+GENERATE = """task: greedy_bytes
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: "@DATA@"
+test_split: test
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{target}}"
+generation_kwargs:
+  until: ["@@@"]
+  max_gen_toks: 10
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.mark.slow  # lm-eval's import and task index: about 20 s
+def test_lm_evals_batched_generation_pads_on_the_left_and_gives_each_prompt_its_own_greedy_text(tmp_path, offline):
+    """generate_until in one batch of six prompts of different lengths (left padding, an attention_mask)
+    gives what each prompt alone gives under attnres's own greedy decoding: exact_match 1.0."""
+    torch.manual_seed(1)
+    hf = AttnResForCausalLM(AttnResConfig(transformer=SHAPE, residual=BLOCK)).eval().double()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    tokenizer, _ = hf_tokenizer(byte_tokenizer(), T)
+    docs = []
+    for prompt in ("def", "import os", "x = 1\n", "class A:\n    pass", "for i in range(3):", "#"):
+        ids = torch.tensor([list(prompt.encode())])
+        new = hf.transformer.generate(ids, 10, temperature=0)[0, ids.shape[1]:].tolist()
+        docs.append({"prompt": prompt, "target": tokenizer.decode(new, skip_special_tokens=True).split("@@@")[0]})
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "greedy_bytes.yaml").write_text(GENERATE.replace("@DATA@", str(tmp_path / "test.jsonl")))
+    manager = lmeval.task_manager([tmp_path])
+    lmeval.check_tasks(["greedy_bytes"], manager)
+    result = lmeval.evaluate(hf, tokenizer, ["greedy_bytes"], manager, batch_size=6, prefix_token_id=BYTE_PREFIX)
+    assert result["samples"] == {"greedy_bytes": 6}
+    assert result["metrics"]["greedy_bytes/exact_match"] == 1.0
