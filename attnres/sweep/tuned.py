@@ -132,6 +132,10 @@ class TunedSweeper(Sweeper):
             if not self.grid["keys"]:
                 raise ConfigError("hydra.sweeper.grid.keys is empty; name the keys to search, "
                                   "e.g. hydra.sweeper.grid.keys=[optim.optimizer.lr]")
+        if self.method == "optuna":
+            from attnres.sweep.tuned_optuna import check_settings
+
+            check_settings(self)
         searched = self.searched_keys()
         for job in jobs:
             for key in overrides_by_key(job):

@@ -76,21 +76,30 @@ def _sampler(optuna: Any, name: str, seed: int) -> Any:
     return optuna.samplers.TPESampler(seed=seed)
 
 
+def check_settings(sweeper: Any) -> tuple[dict[str, dict[str, Any]], int, int, str, int]:
+    """The study's settings (space, trials per arm, batch, sampler, seed), or ConfigError naming the
+    one to fix; also when Optuna is not installed. Called before anything of the sweep is written."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError as err:
+        raise ConfigError("tune=optuna needs Optuna, which is not installed; pip install 'attnres[tune]' "
+                          "(or tune=lr, a grid without it)") from err
+    space = check_space(sweeper.optuna.get("space"))
+    per_arm, batch_size = int(sweeper.optuna.get("trials", 12)), int(sweeper.optuna.get("batch", 4))
+    name, seed = str(sweeper.optuna.get("sampler", "tpe")), int(sweeper.optuna.get("seed", 0))
+    if per_arm < 1 or batch_size < 1:
+        raise ConfigError(f"hydra.sweeper.optuna.trials={per_arm} and batch={batch_size} must be 1 or more")
+    if name not in SAMPLERS:
+        raise ConfigError(f"hydra.sweeper.optuna.sampler={name} is not one of {', '.join(SAMPLERS)}")
+    return space, per_arm, batch_size, name, seed
+
+
 def optuna_search(sweeper: Any, sweep_dir: Path, state: dict[str, Any]) -> bool:
     """Stage 1 with method=optuna; False when the sweep was stopped."""
+    import optuna
+
     with user_errors():
-        try:
-            import optuna
-        except ImportError as err:
-            raise ConfigError("tune=optuna needs Optuna, which is not installed; pip install 'attnres[tune]' "
-                              "(or tune=lr, a grid without it)") from err
-        space = check_space(sweeper.optuna.get("space"))
-        per_arm, batch_size = int(sweeper.optuna.get("trials", 12)), int(sweeper.optuna.get("batch", 4))
-        name, seed = str(sweeper.optuna.get("sampler", "tpe")), int(sweeper.optuna.get("seed", 0))
-        if per_arm < 1 or batch_size < 1:
-            raise ConfigError(f"hydra.sweeper.optuna.trials={per_arm} and batch={batch_size} must be 1 or more")
-        if name not in SAMPLERS:
-            raise ConfigError(f"hydra.sweeper.optuna.sampler={name} is not one of {', '.join(SAMPLERS)}")
+        space, per_arm, batch_size, name, seed = check_settings(sweeper)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     (sweep_dir / tuning.TUNING_DIR).mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{(sweep_dir / tuning.TUNING_DIR / 'optuna.db').resolve()}"

@@ -253,6 +253,19 @@ def test_a_tuning_seed_that_is_a_verdict_seed_is_refused(tmp_path, capsys):
     assert not (tmp_path / "sweep" / "tuning").exists()
 
 
+def test_bad_search_settings_are_refused_before_anything_is_written(tmp_path, capsys):
+    pytest.importorskip("optuna")
+    space = {"optim.optimizer.lr": {"low": 1e-4, "high": 1e-2, "log": True}}
+    for settings, words in (({"method": "optuna", "optuna": {"sampler": "cmaes", "space": space}}, "sampler=cmaes"),
+                            ({"method": "optuna", "optuna": {"space": {"optim.optimizer.lr": {"low": 1}}}},
+                             "is not a range"),
+                            ({"grid": {**GRID, "points": 4}}, "grid.points=4 must be an odd number")):
+        with pytest.raises(SystemExit) as exit_:
+            run_sweeper(tmp_path, {"standard": 0.0}, "residual=standard", **settings)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+        assert not tuning.state_path(tmp_path / "sweep").exists()
+
+
 def test_a_searched_key_also_set_on_the_command_line_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_sweeper(tmp_path, {"standard": 0.0}, "residual=standard", "optim.optimizer.lr=0.01", grid=GRID)
