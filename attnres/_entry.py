@@ -21,6 +21,7 @@ GROUP_HELP = {
     "experiment": "named studies that set several groups at once",
     "experiment/paper_ablation": "one row of the paper's Table 4: experiment/paper_ablation@_global_=<row>",
     "debug": "short runs for checking a setup",
+    "tune": "with -m: each arm at its own best, searched on tuning seeds (docs/sweeps.md)",
     "hydra/launcher": "how a sweep's jobs run (-m)",
 }
 
