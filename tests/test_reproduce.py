@@ -87,4 +87,4 @@ def test_run_py_refuses_an_unknown_part_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 2
     assert ran.stderr.strip() == ("run.py: unknown part shapes; choose from prepare, ordering, blocksize, depth, "
-                                  "ladder")
+                                  "tuned, ladder")
