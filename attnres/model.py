@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnres import parametrization as param
 from attnres.residual import ResidualStrategy, StandardResidual
 
 ResidualFactory = Callable[..., ResidualStrategy]
@@ -96,6 +97,8 @@ class Attention(nn.Module):
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head} into an even head size")
         self.n_head, self.dropout = n_head, dropout
         self.cache_index = 0  # which KVCache slot is this sublayer's (set by the Transformer)
+        self.scale: float | None = None  # attention logit scale; None: 1 / sqrt(head size) (mup sets it)
+        self.branch_scale: float | None = None  # the output's multiplier; None: 1 (parametrization=mup's depth rule)
         self.norm = RMSNorm(n_embd, eps)
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
@@ -122,8 +125,9 @@ class Attention(nn.Module):
                 if T > 1:
                     mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=causal)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
+                                           is_causal=causal, scale=self.scale)
+        y = self.proj(y.transpose(1, 2).reshape(B, T, D))
+        return self.resid_dropout(y if self.branch_scale is None else y * self.branch_scale)
 
 
 class MLP(nn.Module):
@@ -138,6 +142,7 @@ class MLP(nn.Module):
         if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1):
             raise ValueError(f"mlp_hidden must be a positive integer or None (the default width), got {hidden!r}")
         self.activation = activation
+        self.branch_scale: float | None = None  # the output's multiplier; None: 1 (parametrization=mup's depth rule)
         self.norm = RMSNorm(n_embd, eps)
         if hidden is None:
             hidden = 4 * n_embd if activation == "gelu" else 64 * math.ceil(8 * n_embd / 3 / 64)
@@ -152,14 +157,20 @@ class MLP(nn.Module):
             u = F.silu(gate) * u
         else:
             u = F.gelu(u)
-        return self.dropout(self.down(u))
+        u = self.down(u)
+        return self.dropout(u if self.branch_scale is None else u * self.branch_scale)
 
 
 class Transformer(nn.Module):
     """Decoder-only LM. `residual` is a strategy factory called as
     `residual(d_model=n_embd, num_layers=2 * n_layer)` (a class, or a `functools.partial`
     such as Hydra's `_partial_: true` yields); None means the standard residual. `mlp_hidden`
-    sets the MLP's hidden width (None: 4 n_embd for GELU, 8/3 n_embd rounded up to 64 for SwiGLU)."""
+    sets the MLP's hidden width (None: 4 n_embd for GELU, 8/3 n_embd rounded up to 64 for SwiGLU).
+
+    `parametrization="mup"` scales init, forward multipliers and learning rates with the width
+    against `base_width` and with the depth against `base_depth` (`attnres.parametrization`; None:
+    the model's own, where "mup" computes what "standard" computes); `depth_alpha` is the exponent
+    of the residual branches' multiplier (base_depth / n_layer) ** depth_alpha."""
 
     def __init__(
         self,
@@ -176,8 +187,13 @@ class Transformer(nn.Module):
         norm_eps: float = 1e-6,
         init_std: float = 0.02,
         residual: ResidualFactory | None = None,
+        parametrization: str = "standard",
+        base_width: int | None = None,
+        base_depth: int | None = None,
+        depth_alpha: float = 1.0,
     ) -> None:
         super().__init__()
+        param.check(parametrization, base_width, base_depth, depth_alpha)
         for name, value in (("vocab_size", vocab_size), ("n_layer", n_layer), ("n_head", n_head),
                             ("n_embd", n_embd), ("block_size", block_size)):
             if value < 1:
@@ -204,6 +220,49 @@ class Transformer(nn.Module):
         # Built last and without drawing random numbers, so every strategy gets the same
         # weights from the same seed.
         self.residual = (residual or StandardResidual)(d_model=n_embd, num_layers=2 * n_layer)
+        self.parametrization, self.output_scale = parametrization, None  # logits' multiplier; None: 1
+        self.base_width, self.base_depth, self.depth_alpha = base_width or n_embd, base_depth or n_layer, depth_alpha
+        self.roles: dict[str, param.Role] = {}
+        if parametrization == "mup":
+            self._apply_mup(dict(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, block_size=block_size,
+                                 dropout=dropout, bias=bias, mlp=mlp, mlp_hidden=mlp_hidden,
+                                 tie_embeddings=tie_embeddings, norm_eps=norm_eps, init_std=init_std,
+                                 residual=residual))
+
+    def _apply_mup(self, shape: dict) -> None:
+        """parametrization="mup" (`attnres.parametrization`): the roles against the base model,
+        the hidden matrices' init rescaled (no random numbers drawn), the forward multipliers."""
+        n_embd, n_head = self.embed.embedding_dim, shape["n_head"]
+        if self.base_width % n_head or (self.base_width // n_head) % 2:
+            raise ValueError(f"base_width={self.base_width} must split into n_head={n_head} heads of even size")
+        base = param.base_model(lambda n_embd: Transformer(n_embd=n_embd, **shape), self.base_width)
+        self.roles = param.roles(self, base, self.n_layer / self.base_depth, self.depth_alpha)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if self.roles[name].init != 1.0:
+                    p.mul_(self.roles[name].init)
+        if self.base_width != n_embd:
+            self.output_scale = self.base_width / n_embd
+        branch = (self.base_depth / self.n_layer) ** self.depth_alpha
+        for sublayer in self.sublayers:
+            if isinstance(sublayer, Attention) and self.base_width != n_embd:
+                sublayer.scale = param.attention_scale(n_embd // n_head, self.base_width // n_head)
+            if branch != 1.0 and hasattr(sublayer, "branch_scale"):
+                sublayer.branch_scale = branch
+
+    def lr_scales(self, muon_adjust_lr_fn: str | None = None, muon: bool = False) -> dict[int, float]:
+        """Each parameter's learning-rate factor (by `id`), the ones that differ from 1: none under
+        parametrization="standard". `muon`: the hidden matrices train with Muon under
+        `muon_adjust_lr_fn` (`attnres.parametrization.muon_factor`)."""
+        scales = {}
+        for name, p in self.named_parameters():
+            role = self.roles.get(name)
+            if role is None:
+                continue
+            factor = param.muon_factor(role, muon_adjust_lr_fn) if muon else role.adam_lr
+            if factor != 1.0:
+                scales[id(p)] = factor
+        return scales
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -248,7 +307,8 @@ class Transformer(nn.Module):
         hidden = self.norm(self.residual(x, self.sublayers, **kwargs))
         if kv_cache is not None:
             kv_cache.pos += T
-        out = {"logits": self.head(hidden)}
+        logits = self.head(hidden)
+        out = {"logits": logits if self.output_scale is None else logits * self.output_scale}
         if return_hidden:
             out["hidden"] = hidden
         if targets is not None:

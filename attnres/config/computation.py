@@ -25,6 +25,8 @@ COMPUTED = ("residual", "model", "data", "optim", "seed", "nonfinite", "trainer.
 #: keys inside those parts that do not change the numbers (the kernels agree to float rounding)
 NOT_COMPUTED = ("residual.kernel", "data.num_workers", "data.cache_dir", "optim.total_steps")
 SHOWN = 3  # differences named in the refusal; the rest are counted
+#: keys added since runs were first recorded, with the value that computes what a run without them did
+ADDED = {"model.parametrization": "standard", "model.depth_alpha": 1.0}
 
 
 def _value(cfg: DictConfig, key: str) -> Any:
@@ -61,8 +63,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The keys whose values differ (present on one side only counts), sorted."""
-    return sorted(k for k in set(recorded) | set(current) if not _same(recorded.get(k), current.get(k)))
+    """The keys whose values differ (present on one side only counts, except a key of ADDED at its
+    value), sorted."""
+    return sorted(k for k in set(recorded) | set(current)
+                  if not _same(recorded.get(k, ADDED.get(k)), current.get(k, ADDED.get(k))))
 
 
 def _show(value: Any) -> str:
@@ -79,7 +83,8 @@ def refuse_other_computation(path: str | Path, recorded: dict[str, Any] | None, 
     differ = differences(recorded, current)
     if not differ:
         return
-    named = ", ".join(f"{k} ({_show(recorded.get(k))} there, {_show(current.get(k))} here)" for k in differ[:SHOWN])
+    named = ", ".join(f"{k} ({_show(recorded.get(k, ADDED.get(k)))} there, {_show(current.get(k, ADDED.get(k)))} here)"
+                      for k in differ[:SHOWN])
     more = f" and {len(differ) - SHOWN} more: {', '.join(differ[SHOWN:])}" if len(differ) > SHOWN else ""
     raise ConfigError(
         f"checkpoint {path} was trained with another config: {named}{more}; continue it with the config it was "

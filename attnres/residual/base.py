@@ -78,6 +78,10 @@ class ResidualStrategy(nn.Module):
     #: whether its recorded weights are a softmax routed through `mix`, so that one source can be
     #: knocked out of a row and the rest renormalised (`attnres.probes.source_knockouts`)
     source_knockouts: bool = False
+    #: parameters (attribute names) that scale the hidden state element-wise, such as a norm's
+    #: gain: parametrization="mup" keeps their learning rate (`attnres.parametrization`); any
+    #: other parameter with a width axis is taken as contracted with the hidden state over it
+    elementwise_parameters: tuple[str, ...] = ()
 
     def __init__(self, d_model: int, num_layers: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -216,6 +220,7 @@ class DepthAttentionResidual(ResidualStrategy):
 
     has_depth_attention = True
     source_knockouts = True
+    elementwise_parameters = ("key_norm_weight",)
     #: the most tokens (B * T) a pass without gradients may have to take the one-pass route
     #: (module docstring); 0: never. Set by each strategy where it measured the crossover.
     one_pass_tokens: int = 0

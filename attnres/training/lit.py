@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from attnres.config.errors import ConfigError
 from attnres.training.data import exact_match
 from attnres.training.faults import NonFiniteLoss, at_last_step
-from attnres.training.optimizers import MUON_GROUP
+from attnres.training.optimizers import parameter_groups  # noqa: F401 (lit.parameter_groups, as before)
 
 log = logging.getLogger("attnres")
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
@@ -66,42 +66,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
-
-
-def parameter_groups(model: nn.Module, query_lr_scale: float, hidden_matrices: bool = False) -> list[dict[str, Any]]:
-    """AdamW groups: decay on weight matrices only; norms, biases, embeddings and the residual
-    strategy's parameters without decay; pseudo-queries also at `query_lr_scale` times the
-    learning rate (DESIGN.md section 2b: they are sensitive to it). With `hidden_matrices` the
-    2-D weights other than the embedding and the LM head (`model.head`) come first, in a group of
-    their own marked for Muon (`optimizers.MUON_GROUP`, `optim=muon`)."""
-    no_decay_ids = set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():
-            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
-    residual = getattr(model, "residual", None)
-    residual_names = {id(p): n for n, p in residual.named_parameters()} if residual is not None else {}
-    head = getattr(model, "head", None)
-    head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
-    matrices, decay, no_decay, queries, seen = [], [], [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if "query" in residual_names.get(id(p), ""):
-            queries.append(p)
-        elif id(p) in residual_names or id(p) in no_decay_ids or p.dim() < 2:
-            no_decay.append(p)
-        elif hidden_matrices and p.dim() == 2 and id(p) not in head_ids:
-            matrices.append(p)
-        else:
-            decay.append(p)
-    groups = [
-        {"params": matrices, "lr_scale": 1.0, "name": "hidden_matrix", MUON_GROUP[0]: MUON_GROUP[1]},
-        {"params": decay, "lr_scale": 1.0, "name": "decay"},  # the optimiser's own weight_decay
-        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0, "name": "no_decay"},
-        {"params": queries, "weight_decay": 0.0, "lr_scale": query_lr_scale, "name": "pseudo_query"},
-    ]
-    return [g for g in groups if g["params"]]
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:
@@ -354,7 +318,11 @@ class LitLanguageModel(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         # an optimiser that splits off the hidden weight matrices (MuonWithAdamW) says so itself
         hidden = getattr(getattr(self.optimizer_factory, "func", self.optimizer_factory), "hidden_matrices", False)
-        optimizer = self.optimizer_factory(parameter_groups(self.model, self.query_lr_scale, hidden_matrices=hidden))
+        scales = getattr(self.model, "lr_scales", None)  # model.parametrization=mup: per-parameter factors
+        muon = getattr(self.optimizer_factory, "keywords", {}).get("muon") or {}
+        scales = scales(muon_adjust_lr_fn=muon.get("adjust_lr_fn"), muon=hidden) if callable(scales) else None
+        optimizer = self.optimizer_factory(parameter_groups(self.model, self.query_lr_scale, hidden_matrices=hidden,
+                                                            lr_scales=scales))
         for group in optimizer.param_groups:
             group["lr"] *= group["lr_scale"]
         if hasattr(optimizer, "describe"):

@@ -1,7 +1,8 @@
-"""Optimisers built from `lit.parameter_groups`: `MuonWithAdamW` (`optim=muon`), Muon on the hidden
-weight matrices and AdamW on everything else, as one `torch.optim.Optimizer`, so that Lightning
-steps, clips, schedules and checkpoints it as it does AdamW alone; and the start line's words for
-an optimiser config (`describe_optimizer`).
+"""The optimiser groups (`parameter_groups`, also `lit.parameter_groups`) and the optimisers
+built from them: `MuonWithAdamW` (`optim=muon`), Muon on the hidden weight matrices and AdamW on
+everything else, as one `torch.optim.Optimizer`, so that Lightning steps, clips, schedules and
+checkpoints it as it does AdamW alone; and the start line's words for an optimiser config
+(`describe_optimizer`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,51 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch import nn
 
 #: the groups `parameter_groups(..., hidden_matrices=True)` marks for Muon carry this key and value
 MUON_GROUP = ("optimizer", "muon")
+
+
+def parameter_groups(model: nn.Module, query_lr_scale: float, hidden_matrices: bool = False,
+                     lr_scales: dict[int, float] | None = None) -> list[dict[str, Any]]:
+    """AdamW groups: decay on weight matrices only; norms, biases, embeddings and the residual
+    strategy's parameters without decay; pseudo-queries also at `query_lr_scale` times the
+    learning rate (DESIGN.md section 2b: they are sensitive to it). With `hidden_matrices` the
+    2-D weights other than the embedding and the LM head (`model.head`) come first, in a group of
+    their own marked for Muon (`optimizers.MUON_GROUP`, `optim=muon`). `lr_scales` (id of a
+    parameter: factor; `Transformer.lr_scales`, model.parametrization=mup) splits each group by
+    factor: a group's parameters at factor f go to a group of their own named `<name> x<f>`."""
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():
+            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+    residual = getattr(model, "residual", None)
+    residual_names = {id(p): n for n, p in residual.named_parameters()} if residual is not None else {}
+    head = getattr(model, "head", None)
+    head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    matrices, decay, no_decay, queries, seen = [], [], [], [], set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if "query" in residual_names.get(id(p), ""):
+            queries.append(p)
+        elif id(p) in residual_names or id(p) in no_decay_ids or p.dim() < 2:
+            no_decay.append(p)
+        elif hidden_matrices and p.dim() == 2 and id(p) not in head_ids:
+            matrices.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"params": matrices, "lr_scale": 1.0, "name": "hidden_matrix", MUON_GROUP[0]: MUON_GROUP[1]},
+        {"params": decay, "lr_scale": 1.0, "name": "decay"},  # the optimiser's own weight_decay
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0, "name": "no_decay"},
+        {"params": queries, "weight_decay": 0.0, "lr_scale": query_lr_scale, "name": "pseudo_query"},
+    ]
+    if lr_scales:
+        groups = [part for group in groups for part in split_by_scale(group, lr_scales)]
+    return [g for g in groups if g["params"]]
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -99,6 +142,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                for g in optimizer.param_groups)
             parts.append(f"{name}: {groups}")
         return "optimiser groups: " + "; ".join(parts)
+
+
+def split_by_scale(group: dict[str, Any], lr_scales: Mapping[int, float]) -> list[dict[str, Any]]:
+    """`group` split by its parameters' learning-rate factors (`lr_scales`: id of a parameter to
+    its factor, 1 where absent): the factor-1 part keeps the name, the others are `<name> x<f>`
+    with `lr_scale` times f, largest factor first."""
+    factors: dict[float, list] = {}
+    for p in group["params"]:
+        factors.setdefault(lr_scales.get(id(p), 1.0), []).append(p)
+    return [{**group, "params": params, "lr_scale": group["lr_scale"] * factor,
+             "name": group["name"] if factor == 1.0 else f"{group['name']} x{factor:.4g}"}
+            for factor, params in sorted(factors.items(), key=lambda item: -item[0])]
 
 
 class _JointState(MutableMapping):

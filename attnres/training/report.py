@@ -152,8 +152,12 @@ def config_summary(cfg: DictConfig, info: dict[str, Any]) -> str:
     elif blocks is not None:
         residual += f" (N={blocks})"
     model = cfg.model
+    mup = ""
+    if model.get("parametrization") == "mup":  # its base, the proxy the hyperparameters came from
+        mup = (f", muP from {model.get('base_width') or model.get('n_embd')} wide x "
+               f"{model.get('base_depth') or model.get('n_layer')} layers, depth_alpha {model.get('depth_alpha')}")
     return (f"{residual}, model {info.get('model')} ({model.get('n_layer')} layers, {model.get('n_embd')} wide, "
-            f"{model.get('n_head')} heads), data {info.get('data')} (batch {cfg.data.get('batch_size')} x "
+            f"{model.get('n_head')} heads{mup}), data {info.get('data')} (batch {cfg.data.get('batch_size')} x "
             f"{cfg.data.get('block_size')}), {cfg.trainer.get('max_steps')} steps, "
             f"{describe_optimizer(cfg.optim.optimizer)}, seed {cfg.seed}, {threads_note()}")
 

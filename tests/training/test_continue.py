@@ -99,6 +99,18 @@ def test_the_comparison_ignores_what_does_not_compute():
     refuse_other_computation("x.ckpt", None, computation(other))  # nothing recorded: nothing to hold it to
 
 
+def test_a_checkpoint_from_before_model_parametrization_continues_under_standard_only():
+    from omegaconf import OmegaConf
+
+    before = {"seed": 0, "model": {"n_layer": 2, "n_embd": 32}}  # recorded before the keys existed
+    now = OmegaConf.create({"seed": 0, "model": {"n_layer": 2, "n_embd": 32, "parametrization": "standard",
+                                                 "base_width": None, "base_depth": None, "depth_alpha": 1.0}})
+    assert differences(computation(OmegaConf.create(before)), computation(now)) == []
+    now.model.parametrization = "mup"
+    with pytest.raises(ConfigError, match=r"model\.parametrization \(standard there, mup here\)"):
+        refuse_other_computation("x.ckpt", computation(OmegaConf.create(before)), computation(now))
+
+
 def _tree(root: Path) -> dict[Path, str]:
     """Every file's digest, but the lock's: taking it writes the taker's pid (faults.RunLock)."""
     return {p.relative_to(root): _digest(p) for p in root.rglob("*") if p.is_file() and p.name != ".run.lock"}
