@@ -169,8 +169,9 @@ class Transformer(nn.Module):
 
     `parametrization="mup"` scales init, forward multipliers and learning rates with the width
     against `base_width` and with the depth against `base_depth` (`attnres.parametrization`; None:
-    the model's own, where "mup" computes what "standard" computes); `depth_alpha` is the exponent
-    of the residual branches' multiplier (base_depth / n_layer) ** depth_alpha."""
+    the model's own, where "mup" computes what "standard" computes) with `base_n_head` heads (None:
+    n_head); `depth_alpha` is the exponent of the residual branches' multiplier
+    (base_depth / n_layer) ** depth_alpha."""
 
     def __init__(
         self,
@@ -191,9 +192,10 @@ class Transformer(nn.Module):
         base_width: int | None = None,
         base_depth: int | None = None,
         depth_alpha: float = 1.0,
+        base_n_head: int | None = None,
     ) -> None:
         super().__init__()
-        param.check(parametrization, base_width, base_depth, depth_alpha)
+        param.check(parametrization, base_width, base_depth, depth_alpha, base_n_head)
         for name, value in (("vocab_size", vocab_size), ("n_layer", n_layer), ("n_head", n_head),
                             ("n_embd", n_embd), ("block_size", block_size)):
             if value < 1:
@@ -222,6 +224,7 @@ class Transformer(nn.Module):
         self.residual = (residual or StandardResidual)(d_model=n_embd, num_layers=2 * n_layer)
         self.parametrization, self.output_scale = parametrization, None  # logits' multiplier; None: 1
         self.base_width, self.base_depth, self.depth_alpha = base_width or n_embd, base_depth or n_layer, depth_alpha
+        self.base_n_head = base_n_head or n_head
         self.roles: dict[str, param.Role] = {}
         if parametrization == "mup":
             self._apply_mup(dict(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, block_size=block_size,
@@ -232,10 +235,13 @@ class Transformer(nn.Module):
     def _apply_mup(self, shape: dict) -> None:
         """parametrization="mup" (`attnres.parametrization`): the roles against the base model,
         the hidden matrices' init rescaled (no random numbers drawn), the forward multipliers."""
-        n_embd, n_head = self.embed.embedding_dim, shape["n_head"]
-        if self.base_width % n_head or (self.base_width // n_head) % 2:
-            raise ValueError(f"base_width={self.base_width} must split into n_head={n_head} heads of even size")
-        base = param.base_model(lambda n_embd: Transformer(n_embd=n_embd, **shape), self.base_width)
+        n_embd, n_head, heads = self.embed.embedding_dim, shape["n_head"], self.base_n_head
+        if self.base_width % heads or (self.base_width // heads) % 2:
+            raise ValueError(f"base_width={self.base_width} must split into {heads} heads of even size (base_n_head, "
+                             "null: n_head); give a base_width that does, or base_n_head")
+        base_shape = {**shape, "n_head": heads,  # the same model narrower: a set MLP width shrinks with it
+                      "mlp_hidden": param.scaled(shape["mlp_hidden"], self.base_width / n_embd)}
+        base = param.base_model(lambda n_embd: Transformer(n_embd=n_embd, **base_shape), self.base_width)
         self.roles = param.roles(self, base, self.n_layer / self.base_depth, self.depth_alpha)
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -245,8 +251,8 @@ class Transformer(nn.Module):
             self.output_scale = self.base_width / n_embd
         branch = (self.base_depth / self.n_layer) ** self.depth_alpha
         for sublayer in self.sublayers:
-            if isinstance(sublayer, Attention) and self.base_width != n_embd:
-                sublayer.scale = param.attention_scale(n_embd // n_head, self.base_width // n_head)
+            if isinstance(sublayer, Attention) and self.base_width // heads != n_embd // n_head:
+                sublayer.scale = param.attention_scale(n_embd // n_head, self.base_width // heads)
             if branch != 1.0 and hasattr(sublayer, "branch_scale"):
                 sublayer.branch_scale = branch
 

@@ -55,18 +55,25 @@ class Role:
     muon_lr: float = 1.0
 
 
-def check(parametrization: str, base_width: int | None, base_depth: int | None, depth_alpha: float) -> None:
+def check(parametrization: str, base_width: int | None, base_depth: int | None, depth_alpha: float,
+          base_n_head: int | None = None) -> None:
     if parametrization not in PARAMETRIZATIONS:
         raise ValueError(f"parametrization must be one of {', '.join(PARAMETRIZATIONS)}, got {parametrization!r}")
-    for name, value in (("base_width", base_width), ("base_depth", base_depth)):
+    for name, value in (("base_width", base_width), ("base_depth", base_depth), ("base_n_head", base_n_head)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer or null (the model's own), got {value!r}")
     if isinstance(depth_alpha, bool) or not isinstance(depth_alpha, (int, float)) or not 0 <= depth_alpha <= 1:
         raise ValueError(f"depth_alpha must be a number from 0 to 1 (1: CompleteP, 0.5: depth-muP, 0: no depth "
                          f"scaling), got {depth_alpha!r}")
-    if parametrization == "standard" and (base_width is not None or base_depth is not None):
-        raise ValueError("base_width and base_depth belong to parametrization=mup; with parametrization=standard "
-                         "leave them null")
+    if parametrization == "standard" and (base_width, base_depth, base_n_head) != (None, None, None):
+        raise ValueError("base_width, base_depth and base_n_head belong to parametrization=mup; with "
+                         "parametrization=standard leave them null")
+
+
+def scaled(width: int | None, ratio: float) -> int | None:
+    """A set width (the MLP's `mlp_hidden`) at `ratio` times the model's width; None stays None
+    (the default MLP width follows n_embd by itself)."""
+    return None if width is None else max(1, round(width * ratio))
 
 
 def attention_scale(head_dim: int, base_head_dim: int) -> float:

@@ -156,6 +156,17 @@ def test_hidden_matrices_init_and_learning_rates_scale_with_fan_in_and_depth():
     assert complete.lr_scales() == {} and complete.sublayers[0].branch_scale == pytest.approx(0.25)
 
 
+def test_the_base_is_the_same_model_narrower_its_heads_and_a_set_mlp_width_included():
+    torch.manual_seed(0)
+    # heads of a fixed size (the paper's presets): 8 heads of 16 against a base of 2 heads of 16
+    model = Transformer(vocab_size=64, n_layer=2, n_head=8, n_embd=128, block_size=16, mlp="swiglu", mlp_hidden=512,
+                        parametrization="mup", base_width=32, base_n_head=2)
+    assert all(getattr(s, "scale", None) is None for s in model.sublayers)  # the head size did not change
+    scales = model.lr_scales()
+    assert scales[id(model.get_parameter("sublayers.1.down.weight"))] == pytest.approx(128 / 512)  # base MLP 128
+    assert scales[id(model.get_parameter("sublayers.1.up.weight"))] == pytest.approx(32 / 128)
+
+
 def test_a_mup_model_is_the_same_function_after_a_hugging_face_export(tmp_path):
     pytest.importorskip("transformers")
     from attnres.hf import AttnResConfig, AttnResForCausalLM
@@ -174,8 +185,9 @@ def test_a_mup_model_is_the_same_function_after_a_hugging_face_export(tmp_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"parametrization": "mupp"}, "parametrization must be one of standard, mup"),
-    ({"parametrization": "standard", "base_width": 32}, "belong to parametrization=mup"),
-    ({"parametrization": "mup", "base_width": 30}, "base_width=30 must split into n_head=2 heads of even size"),
+    ({"parametrization": "standard", "base_width": 32}, "base_width, base_depth and base_n_head belong to"),
+    ({"parametrization": "mup", "base_width": 30}, r"base_width=30 must split into 2 heads of even size \(base_n_head"),
+    ({"parametrization": "standard", "base_n_head": 4}, "belong to parametrization=mup"),
     ({"parametrization": "mup", "depth_alpha": 2}, "depth_alpha must be a number from 0 to 1"),
     ({"parametrization": "mup", "base_depth": 0}, "base_depth must be a positive integer"),
 ])
