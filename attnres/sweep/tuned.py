@@ -12,7 +12,8 @@ as in any sweep:
 2. verdict: every job of the command line at its arm's choice (the lowest mean `metric` over the
    tuning seeds; the verdict seeds' runs are not read while choosing).
 
-With `proxy` (say `{size: 194m}`), the search runs at the proxy alone and each size's jobs run at
+With `proxy` (say `{size: 194m}`; `width` and `depth` fractions: a narrow muP proxy, `tuned_proxy.py`),
+the search runs at the proxy alone and each size's jobs run at
 their arm's choice: a relative value carries over as the same multiple of that job's configured
 value. `tuning/tuning.json` records the search; the summary (`attnres.results.tuned_summary`)
 leads with the tuned verdict. A resumed sweep (`resume=true`) redoes no finished trial and
@@ -36,7 +37,7 @@ from attnres.atomic import read_json
 from attnres.config.errors import ConfigError, user_errors
 from attnres.results import tuning
 from attnres.results.summary import config_labels, overrides_by_key
-from attnres.sweep import plan, stopping
+from attnres.sweep import plan, stopping, tuned_proxy
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class TunedSweeper(Sweeper):
         self.optuna = dict(optuna or {})
         if isinstance(proxy, (list, tuple)):  # [size=194m]: overrides
             proxy = dict(str(o).split("=", 1) for o in proxy if "=" in str(o))
-        self.proxy = {str(k): str(v) for k, v in (proxy or {}).items()}
+        self.proxy_settings = tuned_proxy.flatten(proxy)  # with the fractions (tuned_proxy.py), as given
+        self.proxy = {k: v for k, v in self.proxy_settings.items() if k not in tuned_proxy.FRACTIONS}
         self.params = dict(params or {})
         self.config: DictConfig | None = None
         self.hydra_context: Any = None
@@ -80,7 +82,7 @@ class TunedSweeper(Sweeper):
         space = self.optuna
         return {"method": self.method, "metric": self.metric, "tuning_seeds": self.tuning_seeds,
                 "grid": grid if self.method == "grid" else None, "optuna": space if self.method == "optuna" else None,
-                "proxy": self.proxy, "baseline": self.baseline}
+                "proxy": self.proxy_settings, "baseline": self.baseline}
 
     def jobs_of(self, arguments: Sequence[str]) -> list[list[str]]:
         """The command line's jobs (the basic sweeper's cross product). They keep the `tune=` choice:
@@ -136,6 +138,11 @@ class TunedSweeper(Sweeper):
             from attnres.sweep.tuned_optuna import check_settings
 
             check_settings(self)
+        if tuned_proxy.fractions(self.proxy_settings):
+            for key in (k for job in jobs for k in overrides_by_key(job)):
+                if key.lstrip("+~") in tuned_proxy.TARGET_KEYS:
+                    raise ConfigError(f"{key} is set by hydra.sweeper.proxy's width or depth fraction (the proxy is "
+                                      f"every job's muP base); leave {key}=... out")
         searched = self.searched_keys()
         for job in jobs:
             for key in overrides_by_key(job):
@@ -212,8 +219,11 @@ class TunedSweeper(Sweeper):
             arm["seeds"] += _seeds(job) or [int(self.config.seed)]
         glabels = config_labels({str(i): overrides_by_key(list(k), (TUNE_GROUP,)) for i, k in enumerate(groups)})
         alabels = config_labels({str(i): overrides_by_key(list(k), (TUNE_GROUP,)) for i, k in enumerate(arms)})
+        found = tuned_proxy.fractions(self.proxy_settings)
         for i, group in enumerate(groups.values()):
             group["label"] = glabels[str(i)]
+            group["narrow"], group["target"] = tuned_proxy.narrow(self.compose(
+                [*group["overrides"], *(f"{k}={v}" for k, v in self.proxy.items())]), found) if found else ([], [])
             cfg = self.compose(self.trial_overrides(group, {}, self.tuning_seeds[0]))
             group["centre"] = {k: v for k in self.searched_keys()
                                if isinstance(v := OmegaConf.select(cfg, k, default=None), (int, float))
@@ -242,7 +252,7 @@ class TunedSweeper(Sweeper):
 
     def trial_overrides(self, group: Mapping[str, Any], values: Mapping[str, Any], seed: int) -> list[str]:
         raw = OmegaConf.to_container(self.config.hydra.sweep, resolve=False)["subdir"]
-        return [*group["overrides"], *(f"{k}={v}" for k, v in self.proxy.items()),
+        return [*group["overrides"], *(f"{k}={v}" for k, v in self.proxy.items()), *group.get("narrow", []),
                 *(f"{k}={tuning.format_value(v)}" for k, v in values.items()), f"seed={seed}",
                 f"hydra.sweep.subdir='{tuning.TUNING_DIR}/{raw}'"]
 
@@ -258,6 +268,9 @@ class TunedSweeper(Sweeper):
             how = f"Optuna ({self.optuna.get('sampler', 'tpe')}), {self.optuna.get('trials', 12)} trials of " + \
                   ", ".join(self.searched_keys())
         proxy = f" at {', '.join(f'{k}={v}' for k, v in self.proxy.items())}" if self.proxy else ""
+        if groups and groups[0].get("narrow"):
+            proxy += (" at " if not self.proxy else ", ") + tuned_proxy.describe(groups[0]["narrow"]) + \
+                " (every job then runs under muP with it as its base)"
         what = f"{len(arms)} arm{'s' * (len(arms) != 1)}" if len(arms) == len(groups) else \
             f"{len(arms)} configurations, {len(groups)} arms"
         print(f"tuned sweep: {what}; search{proxy}: {how}, on tuning seeds "
@@ -267,7 +280,10 @@ class TunedSweeper(Sweeper):
         hours = _gpu_hours([self.compose(self.trial_overrides(g, {}, self.tuning_seeds[0])) for g in groups])
         if hours is not None:
             verdict = _gpu_hours([self.compose([*a["overrides"], f"seed={s}"]) for a in arms for s in a["seeds"]])
-            print(f"  about {hours * per:,.1f} GPU-hours of search trials (more if a grid grows), and "
+            full = _gpu_hours([self.compose([*a["overrides"], f"seed={self.tuning_seeds[0]}"]) for a in arms]) \
+                if self.proxy_settings else None
+            against = f" (the same search at every configuration's full size: {full * per:,.1f})" if full else ""
+            print(f"  about {hours * per:,.1f} GPU-hours of search trials{against} (more if a grid grows), and "
                   f"{verdict or 0:,.1f} GPU-hours of verdict runs (costs.mfu, costs.peak_flops)", flush=True)
 
     def launch(self, batch: list[list[str]]) -> bool:
@@ -309,8 +325,8 @@ class TunedSweeper(Sweeper):
                 if group.get("chosen_multiplier") is None and group.get("chosen_params") is None:
                     continue  # no trial of the arm finished: it has no choice to run
                 values = self.values_for(group, self.compose(plain))
-                overrides = [*arm["overrides"], *(f"{k}={tuning.format_value(v)}" for k, v in values.items()),
-                             f"seed={seed}"]
+                overrides = [*arm["overrides"], *group.get("target", []),
+                             *(f"{k}={tuning.format_value(v)}" for k, v in values.items()), f"seed={seed}"]
                 batch.append(overrides)
                 arm["jobs"][str(seed)] = self.run_dir(overrides)[0]
                 arm["values"][str(seed)] = values

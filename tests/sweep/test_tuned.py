@@ -244,6 +244,58 @@ def test_a_paper_sweep_searches_at_its_proxy_and_prices_the_trials_apart(tmp_pat
     assert 3000 < verdict < 3300 and 0 < trials < verdict  # the paper's 3,166 GPU-hours; 30 runs at 194m
 
 
+def test_a_paper_sweep_searches_a_narrow_proxy_and_prices_it_against_a_full_size_search(tmp_path, capsys):
+    settings = {"size": "194m", "width": "0.25"}
+    sweeper = make_sweeper(tmp_path, "experiment=paper_scaling", "+hydra.sweeper.proxy.size=194m",
+                           "+hydra.sweeper.proxy.width=0.25", "data=tokens", "data.path=data",
+                           "trainer.accelerator=gpu", proxy=settings,
+                           params={"size": "194m,241m,296m,436m,528m", "residual": "standard,block"})
+    jobs = sweeper.jobs_of(["tune=lr", "experiment=paper_scaling", "data=tokens", "data.path=data",
+                            "trainer.accelerator=gpu"])
+    state = sweeper.start_state(tmp_path / "sweep", jobs)
+    # a quarter of the 194M preset's 12 heads of 74, its SwiGLU width (4,864) shrunk alike, all 12 layers
+    for group in state["groups"]:
+        assert group["narrow"] == ["model.n_embd=222", "model.n_head=3", "model.n_layer=12", "model.mlp_hidden=1216"]
+        assert group["target"] == ["model.parametrization=mup", "model.base_width=222", "model.base_n_head=3",
+                                   "model.base_depth=12"]
+    out = capsys.readouterr().out
+    assert "search at size=194m, 222 wide (3 heads) x 12 layers (every job then runs under muP" in out
+    trials, full = (float(x.replace(",", "")) for x in re.search(
+        r"about ([0-9,.]+) GPU-hours of search trials \(the same search at every configuration's full size: "
+        r"([0-9,.]+)\)", out).groups())
+    assert 0 < trials < full / 10  # 20 narrow trials against 100 trials at the five sizes
+
+
+def test_a_narrow_proxy_runs_the_verdict_under_mup_with_the_proxy_as_its_base(tmp_path):
+    sweeper, launcher = run_sweeper(tmp_path, {"standard": 1.0, "block": 1.0}, "residual=standard,block",
+                                    "num_blocks=2", "model.n_embd=64", "model.n_head=4", "seed=0", grid=GRID,
+                                    proxy={"width": 0.5, "depth": 0.5})
+    *search, verdict = launcher.batches
+    assert {o for b in search for job in b for o in job if o.startswith("model.")} >= \
+        {"model.n_embd=32", "model.n_head=2", "model.n_layer=4"}  # half the heads of 16, half the 8 layers
+    assert not any(o.startswith("model.parametrization") for b in search for job in b for o in job)
+    for job in verdict:
+        assert {"model.parametrization=mup", "model.base_width=32", "model.base_n_head=2",
+                "model.base_depth=4"} <= set(job)
+        cfg = sweeper.compose(job)
+        assert (cfg.model.n_embd, cfg.model.parametrization, cfg.model.base_width) == (64, "mup", 32)
+    assert sorted(o for job in verdict for o in job if o.startswith("optim.optimizer.lr=")) == \
+        ["optim.optimizer.lr=0.006"] * 2  # the proxy's choice (2 x the configured lr), carried over
+
+
+@pytest.mark.parametrize("extra,proxy,named", [
+    (("model.parametrization=mup",), {"width": 0.5}, "model.parametrization is set by hydra.sweeper.proxy"),
+    ((), {"width": 1.5}, "hydra.sweeper.proxy.width=1.5 must be a fraction"),
+    (("num_blocks=8",), {"depth": 0.5}, "gives a proxy of 2 layers (4 sublayers), which num_blocks=8 does not"),
+])
+def test_a_bad_narrow_proxy_is_refused_in_one_line(tmp_path, capsys, extra, proxy, named):
+    with pytest.raises(SystemExit) as exit_:
+        run_sweeper(tmp_path, {"block": 0.0}, "residual=block", "model.n_layer=4", *extra, "seed=0", grid=GRID,
+                    proxy=proxy)
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
+
+
 def test_a_tuning_seed_that_is_a_verdict_seed_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         run_sweeper(tmp_path, {"standard": 0.0}, "residual=standard", "seed=0,1000", grid=GRID)
