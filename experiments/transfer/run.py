@@ -1,0 +1,255 @@
+"""Learning-rate transfer across width and depth, measured: does the best lr of a small model stay
+the best of a large one under model.parametrization=mup, does it move under standard, and does
+Block AttnRes transfer across depth where the standard residual does not?
+
+    python experiments/transfer/run.py                      # both axes, resumable (resume=true)
+    python experiments/transfer/run.py --axes width         # one axis
+    python experiments/transfer/run.py --report-only        # TRANSFER.md and the figures from the runs so far
+
+Four `attnres-run -m tune=lr` sweeps of experiment=transfer_study (conf/experiment/, the shapes and
+budget), each into runs/<axis>_<parametrization>/: widths 32, 64, 128, 256 at 4 layers and depths 4,
+8, 16 at width 64, each size x {standard, Block N=4} an arm whose lr the tuned sweep searches on a
+5-point log grid (factor 2 around 3e-3, grown at an edge) over tuning seeds 1000 and 1001; under mup
+the smallest size is the base (model.base_width=32, model.base_depth=4). Each arm's one verdict run
+(seed 0) is not used here. The wall time of each sweep adds up across invocations in
+runs/state.json. The report (`report`, below) writes TRANSFER.md beside this file and
+figures/transfer_<axis>.png: loss against lr, a curve per size, a panel per strategy and
+parametrization; and, per setting, the optimum at each size and how many grid steps it moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CONF = HERE / "conf"
+STUDY = ("experiment=transfer_study", "tune=lr", "residual=standard,block", "seed=0")
+AXES = {
+    "width": ("model.n_embd", (32, 64, 128, 256), "model.base_width=32"),
+    "depth": ("model.n_layer", (4, 8, 16), "model.base_depth=4"),
+}
+PARAMETRIZATIONS = ("standard", "mup")
+STRATEGIES = ("standard", "block")
+
+
+def sweeps(axes: list[str]) -> list[tuple[str, list[str]]]:
+    """(folder, overrides) of each sweep, in order."""
+    out = []
+    for axis in axes:
+        key, sizes, base = AXES[axis]
+        for parametrization in PARAMETRIZATIONS:
+            extra = ["model.parametrization=mup", base] if parametrization == "mup" else []
+            out.append((f"{axis}_{parametrization}", [*STUDY, f"{key}={','.join(map(str, sizes))}", *extra]))
+    return out
+
+
+def read_state(out: Path) -> dict:
+    try:
+        return json.loads((out / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_state(out: Path, state: dict) -> None:
+    tmp = out / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out / "state.json")
+
+
+def run_sweep(folder: str, overrides: list[str], out: Path, jobs: int | None) -> int:
+    command = [sys.executable, "-m", "attnres", "-m", f"hydra.searchpath=[file://{CONF}]", *overrides,
+               f"hydra.sweep.dir={out / folder}", "resume=true", "trainer.enable_progress_bar=false"]
+    if jobs:
+        command.append(f"hydra.launcher.cpu_jobs={jobs}")
+    print("+ " + " ".join(command[1:]), flush=True)
+    return subprocess.call(command, cwd=REPO)
+
+
+# -- the report --------------------------------------------------------------------------------------
+def _size_and_strategy(overrides: list[str], key: str) -> tuple[int | None, str]:
+    found = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o)
+    size = found.get(key)
+    return (int(size) if size is not None else None), found.get("residual", "standard")
+
+
+def curves(state: dict, key: str) -> dict:
+    """{(strategy, size): {"lrs": [...], "means": [...], "points": [(lr, loss), ...], "best": lr or None,
+    "best_step": k, "edge": bool}} from a tuned sweep's tuning.json."""
+    from attnres.results import tuning
+
+    seeds = state.get("tuning_seeds") or []
+    factor = float(((state.get("signature") or {}).get("grid") or {}).get("factor", 2.0))
+    found = {}
+    for group in state.get("groups", []):
+        size, strategy = _size_and_strategy(group.get("overrides", []), key)
+        centre = (group.get("centre") or {}).get("optim.optimizer.lr")
+        if size is None or not isinstance(centre, (int, float)):
+            continue
+        trials = [t for t in group.get("trials", []) if isinstance(t.get("point"), int)]
+        means = tuning.point_means(trials, seeds)
+        best = tuning.best_point(means)
+        steps = sorted(means)
+        found[(strategy, size)] = {
+            "lrs": [centre * factor ** k for k in steps], "means": [means[k] for k in steps],
+            "points": [(centre * factor ** t["point"], tuning.trial_value(t)) for t in trials],
+            "best": None if best is None else centre * factor ** best, "best_step": best,
+            "edge": tuning.grid_edge(best, steps) is not None,
+        }
+    return found
+
+
+def shift_line(by_size: dict[int, dict]) -> str:
+    """`0.006 (4x) at 32, ... : moved 2 grid steps` for one setting, sizes ascending."""
+    sizes = sorted(s for s in by_size if by_size[s]["best_step"] is not None)
+    if not sizes:
+        return "no finished search yet"
+    steps = [by_size[s]["best_step"] for s in sizes]
+    cells = ", ".join(f"{by_size[s]['best']:.3g} at {s}" + (" (edge)" if by_size[s]["edge"] else "") for s in sizes)
+    moved = max(steps) - min(steps)
+    word = "stays within one grid step" if moved <= 1 else f"moves by {moved} grid steps (a factor of {2 ** moved:g})"
+    edge = "; an optimum at the grid's edge is a bound, not a value" if any(by_size[s]["edge"] for s in sizes) else ""
+    return f"{cells}: {word}{edge}"
+
+
+def figure(results: dict, axis: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(STRATEGIES), len(PARAMETRIZATIONS), figsize=(10, 7.5), squeeze=False,
+                             sharey=True)
+    cmap = plt.get_cmap("viridis")
+    for r, strategy in enumerate(STRATEGIES):
+        for c, parametrization in enumerate(PARAMETRIZATIONS):
+            ax = axes[r][c]
+            by_size = {size: v for (s, size), v in results.get(parametrization, {}).items() if s == strategy}
+            sizes = sorted(by_size)
+            for i, size in enumerate(sizes):
+                v, colour = by_size[size], cmap(i / max(1, len(sizes) - 1))
+                finite = [(lr, m) for lr, m in zip(v["lrs"], v["means"], strict=True) if math.isfinite(m)]
+                if finite:
+                    ax.plot(*zip(*finite, strict=True), marker="o", ms=3, color=colour, label=f"{axis} {size}")
+                pts = [(lr, y) for lr, y in v["points"] if math.isfinite(y)]
+                if pts:
+                    ax.scatter(*zip(*pts, strict=True), s=8, color=colour, alpha=0.4)
+                if v["best"] is not None:
+                    best = v["means"][v["lrs"].index(v["best"])]
+                    ax.scatter([v["best"]], [best], marker="*", s=120, color=colour, edgecolor="black", zorder=5)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{'Block N=4' if strategy == 'block' else 'standard residual'}, "
+                         f"parametrization={parametrization}", fontsize=9)
+            ax.set_xlabel("AdamW learning rate")
+            if c == 0:
+                ax.set_ylabel("val/loss (mean of 2 tuning seeds; dots: each seed)")
+            if sizes:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"learning-rate transfer across {axis}: the star is each size's best", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
+    from attnres.results import tuning
+
+    figures = target.parent / "figures"
+    lines = ["# Learning-rate transfer across width and depth", "",
+             "Written by `python experiments/transfer/run.py` (its docstring says what runs; "
+             "`--report-only` rewrites this file). Each curve: the mean val/loss of 2 tuning seeds at each lr "
+             "of a tuned sweep's log grid (factor 2); the best lr of each size, and how far it moved across "
+             "the sizes, in grid steps. Under `mup` the smallest size is the base, where mup and standard "
+             "are the same model.", ""]
+    for axis, (key, sizes, _) in AXES.items():
+        results = {}
+        for parametrization in PARAMETRIZATIONS:
+            folder = out / f"{axis}_{parametrization}"
+            sweep_state = tuning.read_state(folder)
+            if sweep_state.get("groups"):
+                results[parametrization] = curves(sweep_state, key)
+        lines += [f"## Across {axis} ({', '.join(map(str, sizes))}"
+                  f"{' layers, width 64' if axis == 'depth' else ' wide, 4 layers'})", ""]
+        if not results:
+            lines += [f"Not run yet: `python experiments/transfer/run.py --axes {axis}`.", ""]
+            continue
+        figure(results, axis, figures / f"transfer_{axis}.png")
+        for parametrization in PARAMETRIZATIONS:
+            for strategy in STRATEGIES:
+                by_size = {size: v for (s, size), v in results.get(parametrization, {}).items() if s == strategy}
+                lines.append(f"- {strategy}, parametrization={parametrization}: "
+                             f"{shift_line(by_size) if by_size else 'not run yet'}")
+        walls = [read_state(out).get(f"{axis}_{p}", {}).get("wall_s") for p in PARAMETRIZATIONS]
+        wall = sum(w for w in walls if w)
+        lines += ["", f"![loss against lr across {axis}](figures/transfer_{axis}.png)", "",
+                  f"Wall time of this axis's sweeps on this machine: {wall / 60:.0f} min.", ""]
+    lines += ["Where this does not hold: one token budget for every size (not compute-optimal), 400 steps, "
+              "byte-level stdlib, two tuning seeds per point (the noise between them is in the dots), the "
+              "lr alone searched (warm-up, weight decay and the pseudo-queries' lr scale fixed), and sizes "
+              "far below the paper's.", ""]
+    tmp = target.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--axes", default="width,depth", help="comma-separated, of width, depth (default: both)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="parallel jobs, each with its share of the cores (default 2; 0: the launcher's)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default experiments/transfer/runs)")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild TRANSFER.md from the runs so far")
+    args = parser.parse_args(argv)
+    axes = [a for a in args.axes.split(",") if a]
+    unknown = sorted(set(axes) - set(AXES))
+    if unknown or not axes:
+        print(f"run.py: unknown axis {', '.join(unknown) or '(none)'}; choose from {', '.join(AXES)}",
+              file=sys.stderr)
+        return 2
+    if args.jobs < 0:
+        print("run.py: --jobs must be 0 or more (0: the launcher decides)", file=sys.stderr)
+        return 2
+    out = (args.out or HERE / "runs").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    if not args.report_only:
+        todo = sweeps(axes)
+        for number, (folder, overrides) in enumerate(todo, 1):
+            print(f"\n== sweep {number}/{len(todo)}: {folder}", flush=True)
+            start = time.monotonic()
+            code = run_sweep(folder, overrides, out, args.jobs or None)
+            state = read_state(out)
+            entry = state.setdefault(folder, {"wall_s": 0.0, "invocations": 0})
+            entry["wall_s"] = round(entry["wall_s"] + time.monotonic() - start, 1)
+            entry["invocations"] += 1
+            entry["complete"] = code == 0
+            write_state(out, state)
+            if code:
+                failed.append(folder)
+            if code in (130, 143):  # Ctrl-C or SIGTERM: stop here, resumable
+                print("run.py: interrupted; run the same command again to continue", file=sys.stderr)
+                return code
+    print(f"report: {report(out)}")
+    if failed:
+        print(f"run.py: sweep(s) {', '.join(failed)} did not finish every job; run the same command again to "
+              "continue", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""experiments/transfer/run.py: its sweeps, its refusals, and the report it writes from tuned
+sweeps' records (the study itself runs by hand: docs/strategies.md#parametrizations)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+
+from attnres.results import tuning
+from tests.helpers import REPO, cli_env
+
+SCRIPT = REPO / "experiments" / "transfer" / "run.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("transfer_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_study_is_four_tuned_sweeps_with_the_smallest_size_as_the_mup_base():
+    run = _load()
+    folders = dict(run.sweeps(["width", "depth"]))
+    assert list(folders) == ["width_standard", "width_mup", "depth_standard", "depth_mup"]
+    assert "model.n_embd=32,64,128,256" in folders["width_mup"] and "model.base_width=32" in folders["width_mup"]
+    assert "model.parametrization=mup" not in folders["width_standard"]
+    assert "model.n_layer=4,8,16" in folders["depth_mup"] and "model.base_depth=4" in folders["depth_mup"]
+    assert all("tune=lr" in o and "residual=standard,block" in o for o in folders.values())
+
+
+def test_run_py_refuses_an_unknown_axis_in_one_line():
+    ran = subprocess.run([sys.executable, str(SCRIPT), "--axes", "height"], env=cli_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 2
+    assert ran.stderr.strip() == "run.py: unknown axis height; choose from width, depth"
+
+
+def _sweep_state(best_by_size: dict[int, int], key: str) -> dict:
+    """A finished grid search per (size, strategy) whose mean loss is lowest at exponent best_by_size[size]."""
+    groups = []
+    for size, best in best_by_size.items():
+        for strategy in ("standard", "block"):
+            trials = [{"point": k, "seed": seed, "status": "finished",
+                       "value": (k - best) ** 2 + 1.0 + 0.01 * (seed - 1000)}
+                      for k in range(-2, 3) for seed in (1000, 1001)]
+            groups.append({"label": f"{size} {strategy}", "overrides": [f"{key}={size}", f"residual={strategy}"],
+                           "centre": {"optim.optimizer.lr": 3e-3}, "trials": trials})
+    return {"signature": {"grid": {"factor": 2.0}}, "tuning_seeds": [1000, 1001], "groups": groups, "arms": []}
+
+
+def test_the_report_names_each_sizes_optimum_and_how_far_it_moved(tmp_path):
+    run = _load()
+    out = tmp_path / "runs"
+    tuning.write_state(out / "width_standard", _sweep_state({32: 0, 64: 1, 128: 2, 256: 2}, "model.n_embd"))
+    tuning.write_state(out / "width_mup", _sweep_state({32: 0, 64: 0, 128: 1, 256: 0}, "model.n_embd"))
+    target = run.report(out, tmp_path / "TRANSFER.md")
+    text = target.read_text()
+    assert ("- standard, parametrization=standard: 0.003 at 32, 0.006 at 64, 0.012 at 128 (edge), 0.012 at 256 "
+            "(edge): moves by 2 grid steps (a factor of 4); an optimum at the grid's edge is a bound") in text
+    assert "- block, parametrization=mup: 0.003 at 32, 0.003 at 64, 0.006 at 128, 0.003 at 256: stays within one " \
+           "grid step" in text
+    assert "Not run yet: `python experiments/transfer/run.py --axes depth`." in text
+    assert (tmp_path / "figures" / "transfer_width.png").stat().st_size > 10_000
+    curves = run.curves(tuning.read_state(out / "width_mup"), "model.n_embd")
+    assert math.isclose(curves[("block", 128)]["best"], 6e-3) and len(curves[("block", 128)]["points"]) == 10
