@@ -22,7 +22,8 @@ Each parameter's role, its init std, forward multiplier and learning-rate factor
 - sublayer outputs: x m_L^(-alpha).
 - `contracted` (a residual strategy's parameter contracted with the hidden state over k width axes:
   pseudo-queries k = 1, input-dependent query maps k = 2, hyper-connections' dynamic weights
-  k = 1): init unchanged (zero); lr x (width0 / width)^k.
+  k = 1): init std and lr x (width0 / width)^k (a zero init stays zero; `query_init_std`'s random
+  queries shrink, as a readout's init does).
 - `elementwise` (gains a strategy names in `elementwise_parameters`: key-norm gains) and `scalar`
   (no width axis: static mixing logits, DenseFormer's and HC's static weights): unchanged.
 
@@ -119,7 +120,7 @@ def roles(model: nn.Module, base: nn.Module, depth_mult: float, depth_alpha: flo
             elif ratio == 1.0:
                 out[name] = Role("scalar")
             else:
-                out[name] = Role("contracted", 1.0, ratio, ratio)
+                out[name] = Role("contracted", ratio, ratio, ratio)  # a readout's init: zero stays zero
         else:  # norm gains and biases of the sublayers, the final norm
             out[name] = Role("vector", 1.0, depth if name.startswith("sublayers.") else 1.0, 1.0)
     return out

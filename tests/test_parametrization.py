@@ -122,12 +122,19 @@ def test_each_depth_attention_parameter_learns_and_starts_as_documented(label, r
     query = 0.1 if group["name"].startswith("pseudo_query") else 1.0
     assert group["lr_scale"] == pytest.approx(factor * query, rel=1e-12)
     assert group.get("optimizer") != "muon"  # the strategy's parameters stay on AdamW
-    # init: unchanged by the parametrization (zero queries stay zero: step 0 reads the uniform mean)
-    assert torch.equal(param, plain.residual.get_parameter(name))
+    # init: a readout's (times the lr factor: zero queries stay zero, step 0 reads the uniform mean)
+    assert torch.equal(param, plain.residual.get_parameter(name) * (factor if factor != 1.0 else 1.0))
     if init == "zeros":
         assert not param.any()
     elif init == "ones":
         assert bool((param == 1).all())
+
+
+def test_random_pseudo_queries_start_as_a_readout_does():
+    residual = partial(BLOCK2, query_init_std=0.02)
+    wide, plain = _model(residual, width=128, base=32), _model(residual, width=128, parametrization="standard")
+    assert torch.allclose(wide.residual.pseudo_query, plain.residual.pseudo_query / 4)
+    assert plain.residual.pseudo_query.std() > 0.01
 
 
 def test_hidden_matrices_init_and_learning_rates_scale_with_fan_in_and_depth():
