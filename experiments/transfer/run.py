@@ -20,9 +20,8 @@ parametrization; and, per setting, the optimum at each size and how many grid st
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import math
-import os
 import subprocess
 import sys
 import time
@@ -51,17 +50,17 @@ def sweeps(axes: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def read_state(out: Path) -> dict:
-    try:
-        return json.loads((out / "state.json").read_text())
-    except (OSError, ValueError):
-        return {}
+def _reproduce_run():
+    """experiments/reproduce/run.py, whose runs/state.json helpers this study shares."""
+    spec = importlib.util.spec_from_file_location("reproduce_run", HERE.parent / "reproduce" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
-def write_state(out: Path, state: dict) -> None:
-    tmp = out / "state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out / "state.json")
+_REPRODUCE = _reproduce_run()
+read_state, write_state = _REPRODUCE.read_state, _REPRODUCE.write_state
 
 
 def run_sweep(folder: str, overrides: list[str], out: Path, jobs: int | None) -> int:
