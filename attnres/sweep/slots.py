@@ -64,6 +64,15 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a SLURM or container cpuset),
+    not every core of the machine, so a sweep pinned to one core plans one thread, not two."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
+
+
 def plan_slots(gpus: Sequence[str], jobs_per_gpu: int, cpu_jobs: int | None, gpus_per_job: int = 1) -> list[Slot]:
     """The slots of a sweep: `jobs_per_gpu` per GPU, or per group of `gpus_per_job` GPUs (a job of G
     DDP ranks; slots count GPUs, so 8 GPUs are 4 slots of 2); without GPUs `cpu_jobs` CPU shares,
@@ -72,7 +81,7 @@ def plan_slots(gpus: Sequence[str], jobs_per_gpu: int, cpu_jobs: int | None, gpu
         raise ValueError(f"hydra.launcher.jobs_per_gpu={jobs_per_gpu} must be >= 1")
     if isinstance(gpus_per_job, bool) or not isinstance(gpus_per_job, int) or gpus_per_job < 1:
         raise ConfigError(f"hydra.launcher.gpus_per_job={gpus_per_job!r} must be a whole number >= 1")
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     simulated = bool(os.environ.get(FAKE_GPUS_ENV))
     if gpus and gpus_per_job > 1:
         if gpus_per_job > len(gpus):

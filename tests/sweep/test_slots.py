@@ -49,6 +49,20 @@ def test_slot_plan():
         plan_slots(["0"], 0, None)
 
 
+def test_slot_plan_counts_the_cores_this_process_may_use(monkeypatch):
+    """Under `taskset -c 0` (or a SLURM cpuset) a sweep plans for the one core it may run on: one job
+    of one thread, not the machine's cores, which would put two threads on one core."""
+    import attnres.sweep.slots as slots
+
+    monkeypatch.setattr(slots.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(slots.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert slots.usable_cores() == 1
+    plan = plan_slots([], 1, None)
+    assert [(s.name, s.threads) for s in plan] == [("cpu0", 1)]
+    monkeypatch.setattr(slots.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert [(s.name, s.threads) for s in plan_slots([], 1, None)] == [("cpu0", 2), ("cpu1", 2)]
+
+
 HOLDER = """
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
