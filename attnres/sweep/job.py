@@ -126,7 +126,8 @@ def run_isolated(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> None:
         return  # a requeue of a job whose run has finished
     stop_file = _sweep_of_worker().get("stop_file")
     if SLOTS_ENV in os.environ:  # a ParallelLauncher worker: the sweep process takes the signals
-        stopping.ignore_signals()
+        if _sweep_of_worker().get("pid") != os.getpid():  # with one slot joblib runs the jobs in the sweep
+            stopping.ignore_signals()                     # process itself, whose SweepStop must keep them
         stopped = lambda: stopping.requested(stop_file)[0] is not None  # noqa: E731
         claim = None if stopped() else claim_slot(Path(os.environ.get("ATTNRES_LOCK_DIR", default_lock_dir())),
                                                   stop=stopped)

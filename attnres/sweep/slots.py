@@ -295,7 +295,30 @@ def release_slot() -> None:
 
 
 def default_lock_dir() -> Path:
-    return Path(os.environ.get("ATTNRES_LOCK_DIR", f"/tmp/attnres-slots-{os.getuid()}"))
+    """/tmp/attnres-slots-<uid>, shared by every sweep of the user on this machine; a sweep confined to
+    some of the cores (`taskset -c 1`) shares the slots of that set of cores alone, so two sweeps
+    pinned to different cores run side by side instead of waiting for each other's slots."""
+    if "ATTNRES_LOCK_DIR" in os.environ:
+        return Path(os.environ["ATTNRES_LOCK_DIR"])
+    base = f"/tmp/attnres-slots-{os.getuid()}"
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return Path(base)
+    if len(mine) < (os.cpu_count() or len(mine)):
+        return Path(f"{base}-cpus{_ranges(mine)}")
+    return Path(base)
+
+
+def _ranges(cores: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5": taskset's own spelling of a core list."""
+    spans: list[list[int]] = []
+    for c in cores:
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 # -- the worker's watchdog: nothing outlives the sweep ----------------------------------------------

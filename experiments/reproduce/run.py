@@ -1,7 +1,7 @@
 """The reproduction study: which of the Attention Residuals paper's claims does a CPU resolve?
 
     python experiments/reproduce/run.py                   # every part (about 2 hours on 2 free cores), then REPORT.md
-    python experiments/reproduce/run.py --parts ordering  # one part: prepare, ordering, blocksize, depth, tuned, ladder
+    python experiments/reproduce/run.py --parts ordering  # one part: prepare, ordering, blocksize, depth, tuned, ladder, tasks
     python experiments/reproduce/run.py --report-only     # rebuild REPORT.md from the runs so far
 
 Part `prepare` tokenizes the stdlib with a 1,024-token BPE into experiments/reproduce/data/stdlib-1k
@@ -65,7 +65,13 @@ PARTS = (
                    "16, 24, 32 at 3 seeds, and 40 from parts ordering and blocksize; 25 tokens per parameter)",
          (Sweep("ladder", (*STUDY, "shape=w16,w24,w32", "residual=standard,block", "num_blocks=8",
                            "seed=0,1,2")),)),
+    Part("tasks", "Block N=4 against standard on a downstream task through lm-eval: two-hop pointer chasing "
+                  "(attnres_pointer, multiple choice, chance 0.25) after experiment=synthetic_depth's 3,000 "
+                  "steps, 5 seeds (docs/tasks.md)",
+         (Sweep("tasks", ("experiment=synthetic_depth", "residual=standard,block", SEEDS,
+                          "eval.tasks=[attnres_pointer]")),)),
 )
+NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "ladder")  # the parts that read the tokenized stdlib
 
 
 def prepare() -> int:
@@ -122,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or HERE / "runs").resolve()
     out.mkdir(parents=True, exist_ok=True)
     failed = []
-    if not args.report_only and "prepare" not in wanted and not (DATA / "meta.json").is_file():
+    if (not args.report_only and "prepare" not in wanted and not (DATA / "meta.json").is_file()
+            and any(p in NEEDS_DATA for p in wanted)):
         wanted.insert(0, "prepare")  # the sweeps read the tokenized data
     if not args.report_only:
         parts = [p for p in PARTS if p.name in wanted]

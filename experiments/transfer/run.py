@@ -194,7 +194,7 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
         wall = sum(w for w in walls if w)
         lines += ["", f"![loss against lr across {axis}](figures/transfer_{axis}.png)", "",
                   f"Wall time of this axis's sweeps on this machine: {wall / 60:.0f} min.", ""]
-    lines += ["Where this does not hold: one token budget for every size (not compute-optimal), 400 steps, "
+    lines += ["Where this does not hold: one token budget for every size (not compute-optimal), 400 steps of 8 x 128 bytes, "
               "byte-level stdlib, two tuning seeds per point (the noise between them is in the dots), the "
               "lr alone searched (warm-up, weight decay and the pseudo-queries' lr scale fixed), and sizes "
               "far below the paper's.", ""]
@@ -208,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--axes", default="width,depth", help="comma-separated, of width, depth (default: both)")
-    parser.add_argument("--jobs", type=int, default=2,
-                        help="parallel jobs, each with its share of the cores (default 2; 0: the launcher's)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="parallel jobs, each with its share of the cores (default 0: the launcher's, "
+                             "half the cores this process may use; 1 under `taskset -c 1`)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default experiments/transfer/runs)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild TRANSFER.md from the runs so far")
     args = parser.parse_args(argv)

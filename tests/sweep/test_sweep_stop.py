@@ -28,16 +28,21 @@ def _wait(predicate, timeout: float) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sig", "group", "code"), [(signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)],
-                         ids=["ctrl-c-to-the-group", "sigterm-to-the-pid"])
-def test_a_stopped_sweep_saves_its_jobs_and_writes_its_summary(tmp_path, sig, group, code):
-    args = ["-m", *LONG, "seed=0,1,2", "hydra.sweep.dir=sweep", "hydra.launcher.cpu_jobs=2",
+@pytest.mark.parametrize(("sig", "group", "code", "jobs"),
+                         [(signal.SIGINT, True, 130, 2), (signal.SIGTERM, False, 143, 2),
+                          (signal.SIGINT, True, 130, 1), (signal.SIGTERM, False, 143, 1)],
+                         ids=["ctrl-c-to-the-group", "sigterm-to-the-pid",
+                              "one-slot-ctrl-c-to-the-group", "one-slot-sigterm-to-the-pid"])
+def test_a_stopped_sweep_saves_its_jobs_and_writes_its_summary(tmp_path, sig, group, code, jobs):
+    """With one slot (one GPU, `cpu_jobs=1`, a sweep under `taskset -c 0`) joblib runs the jobs in the
+    sweep process itself, which must still take the signals rather than ignore them as a worker does."""
+    args = ["-m", *LONG, "seed=0,1,2", "hydra.sweep.dir=sweep", f"hydra.launcher.cpu_jobs={jobs}",
             f"hydra.launcher.lock_dir={tmp_path}/locks"]
     out = tmp_path / "sweep.out"
     proc = subprocess.Popen([*CLI, *args], cwd=tmp_path, env=cli_env(), stdout=open(out, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)  # as a terminal starts it
     try:
-        saved = _wait(lambda: len(list(tmp_path.glob("sweep/*/checkpoints/last.ckpt"))) >= 2 or proc.poll() is not None,
+        saved = _wait(lambda: len(list(tmp_path.glob("sweep/*/checkpoints/last.ckpt"))) >= jobs or proc.poll() is not None,
                       240)
         assert saved and proc.poll() is None, out.read_text()[-3000:]
         (os.killpg if group else os.kill)(proc.pid, sig)
@@ -47,10 +52,10 @@ def test_a_stopped_sweep_saves_its_jobs_and_writes_its_summary(tmp_path, sig, gr
             os.killpg(proc.pid, signal.SIGKILL)
     text = out.read_text()
     assert "Traceback" not in text and "leaked" not in text, text[-3000:]
-    assert "sweep: 3 jobs, 2 interrupted, 1 unfinished" in text, text[-2000:]
+    assert f"sweep: 3 jobs, {jobs} interrupted, {3 - jobs} unfinished" in text, text[-2000:]
     assert (tmp_path / "sweep" / "summary.md").is_file()
     stopped = [json.loads(p.read_text()) for p in tmp_path.glob("sweep/*/metrics.json")]
-    assert [m["status"] for m in stopped] == ["interrupted", "interrupted"], stopped
+    assert [m["status"] for m in stopped] == ["interrupted"] * jobs, stopped
     assert not list(tmp_path.glob("sweep/**/.*.tmp"))
     import torch
 
