@@ -80,6 +80,7 @@ def test_a_report_from_no_runs_says_what_to_run(tmp_path, monkeypatch):
     assert "No runs yet: `python experiments/reproduce/run.py --parts ordering`." in text
     assert "No runs yet: `python experiments/reproduce/run.py --parts ladder`." in text
     assert "| ordering | standard, Block N=4, Full at the deep shape x 5 seeds | not run |" in text
+    assert "Not run yet: `python experiments/reproduce/run.py --parts tasks`." in text
 
 
 def test_run_py_refuses_an_unknown_part_in_one_line():
@@ -87,4 +88,58 @@ def test_run_py_refuses_an_unknown_part_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 2
     assert ran.stderr.strip() == ("run.py: unknown part shapes; choose from prepare, ordering, blocksize, depth, "
-                                  "tuned, ladder")
+                                  "tuned, ladder, tasks")
+
+
+def _fake_tasks_runs(out, values):
+    """runs/tasks as the part writes it: seed -> (arm -> (attnres_pointer/acc, val/loss))."""
+    import json
+
+    targets = {"standard": "attnres.residuals.standard.StandardResidual",
+               "block": "attnres.residuals.block.BlockAttentionResidual"}
+    for seed, arms in values.items():
+        for arm, (acc, loss) in arms.items():
+            job = out / "tasks" / f"experiment=synthetic_depth,residual={arm},seed={seed}"
+            (job / ".hydra").mkdir(parents=True)
+            (job / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nresidual:\n  _target_: {targets[arm]}\n")
+            (job / "metrics.json").write_text(json.dumps({
+                "status": "finished", "wall_time_s": 600.0,
+                "metrics": {"attnres_pointer/acc": acc, "val/loss": loss, "val/accuracy": 0.5},
+                "tasks": {"lm_eval_version": "0.4.13", "seconds": 4.0}}))
+
+
+def test_the_tasks_section_pairs_the_arms_by_seed_and_splices_in_once(tmp_path, monkeypatch):
+    import shutil
+    import statistics
+
+    from scipy import stats
+
+    values = {0: {"standard": (0.40, 1.00), "block": (0.46, 0.98)},
+              1: {"standard": (0.50, 1.10), "block": (0.55, 1.05)},
+              2: {"standard": (0.30, 0.90), "block": (0.37, 0.90)}}
+    _fake_tasks_runs(tmp_path / "runs", values)
+    shutil.copy(HERE / "REPORT.md", tmp_path / "REPORT.md")
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    for _ in range(2):  # the second splice replaces the first, section, claim and row alike
+        text = report.splice_tasks(tmp_path / "runs").read_text()
+    diffs = [100 * (v["block"][0] - v["standard"][0]) for v in values.values()]  # points of accuracy
+    mean = statistics.fmean(diffs)
+    half = stats.t.ppf(0.975, 2) * statistics.stdev(diffs) / 3 ** 0.5
+    expected = f"{mean:+.2f} pt [{mean - half:+.2f}, {mean + half:+.2f}]"
+    assert mean - half > 0  # so the claim is reproduced
+    assert text.count(f"## {report.TASKS_TITLE}") == 1 and text.count("on a downstream task") == 1
+    assert f"**{expected}** of `attnres_pointer/acc` (3 seeds" in text
+    assert "- **reproduced**: Block AttnRes (N = 4) scores higher than the standard residual on a downstream " \
+           "task" in text and f"through lm-eval: {expected} of accuracy" in text
+    assert text.count("| tasks |") == 1
+    assert text.index("## 7. Each arm") < text.index(f"## {report.TASKS_TITLE}") < text.index("## Not run at")
+    original = (HERE / "REPORT.md").read_text()
+    head = original.split("## Verdicts (")[1].split(")")[0]
+    counts = dict((w, int(n)) for n, w in (part.split(" ", 1) for part in head.split(", ")))
+    counts["reproduced"] += 1
+    assert text.split("## Verdicts (")[1].split(")")[0] == ", ".join(
+        f"{counts[w]} {w}" for w in ("reproduced", "contradicted", "not resolved") if counts.get(w))
+    assert (tmp_path / "figures" / "tasks_pointer.png").stat().st_size > 5000
+    # the sections before it are as they were
+    kept = original.split("## Training length")[1].split("## 7.")[0]
+    assert kept == text.split("## Training length")[1].split("## 7.")[0]

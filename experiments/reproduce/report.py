@@ -34,6 +34,8 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))  # experiments/: plot_run, scaling
 sys.path.insert(0, str(HERE))  # tuned_part
 
+import tasks_part  # noqa: E402
+from tasks_part import part_tasks  # noqa: E402
 from tuned_part import part_tuned  # noqa: E402
 
 from attnres.atomic import read_json  # noqa: E402
@@ -574,6 +576,7 @@ def part_ladder(out: Path, runs: Sequence[Run], figs: Path) -> tuple[list[str], 
 
 # -- the report ------------------------------------------------------------------------------------------
 TUNED_TITLE = "7. Each arm at its own learning rate (a tuned comparison)"
+TASKS_TITLE = tasks_part.TITLE
 
 
 def tuned_section(out: Path, runs: Sequence[Run], figs: Path, kept: str = "") -> tuple[list[str], list[str]]:
@@ -582,31 +585,57 @@ def tuned_section(out: Path, runs: Sequence[Run], figs: Path, kept: str = "") ->
     return part_tuned(out, figs, shared, Effect, verdict, claim, _paper_range(paper), paper, _save, kept)
 
 
+def tasks_section(out: Path, figs: Path) -> tuple[list[str], list[str]]:
+    return part_tasks(out, figs, Effect, verdict, claim, _save, _mean_sd)
+
+
+TUNED_ROW = ("| tuned | standard and Block N=4 at the deep shape: 2 x 5-point lr grid x 2 tuning seeds, then 5 seeds "
+             "each at its best | {} |")
+TASKS_ROW = "| tasks | standard and Block N=4 at experiment=synthetic_depth x 5 seeds, scored by lm-eval | {} |"
+
+
 def splice_tuned(out: Path) -> Path:
-    """Update REPORT.md's tuned section, its claim and its wall-time row alone, keeping the rest as it
-    was written (for a machine that holds the tuned part's runs but not the other parts')."""
+    """Update REPORT.md's tuned section alone (for a machine that holds the tuned part's runs but not
+    the other parts')."""
+    text, claims = tuned_section(out, load_runs(out), HERE / "figures", kept=(HERE / "REPORT.md").read_text())
+    return splice(TUNED_TITLE, text, claims, "with each at its own learning rate", "tuned",
+                  TUNED_ROW.format(_wall(read_json(out / "state.json"), "tuned")), "runs/tuned")
+
+
+def splice_tasks(out: Path) -> Path:
+    """Update REPORT.md's downstream-task section alone, as splice_tuned does the tuned one."""
+    text, claims = tasks_section(out, HERE / "figures")
+    return splice(TASKS_TITLE, text, claims, "on a downstream task", "tasks",
+                  TASKS_ROW.format(_wall(read_json(out / "state.json"), "tasks")), "runs/tasks")
+
+
+def splice(title: str, text: list[str], claims: list[str], old_claim: str, part: str, row: str, source: str) -> Path:
+    """Replace one section of REPORT.md (or add it before "Not run at this scale"), its claim line
+    (found by `old_claim`) and its wall-time row, keeping the rest as it was written."""
     report = HERE / "REPORT.md"
-    old = report.read_text()
-    text, claims = tuned_section(out, load_runs(out), HERE / "figures", kept=old)
-    lines = old.splitlines()
-    lines = [line for line in lines if "with each at its own learning rate" not in line]  # the old tuned claim
+    lines = [line for line in report.read_text().splitlines() if old_claim not in line]
     head = next(i for i, line in enumerate(lines) if line.startswith("## Verdicts ("))
     end = next(i for i in range(head + 2, len(lines)) if not lines[i].startswith("- "))
     lines[end:end] = claims
     claim_lines = [line for line in lines[head + 2:end + len(claims)] if line.startswith("- **")]
     lines[head] = f"## Verdicts ({_count_words(claim_lines)})"
-    row = f"| tuned | standard and Block N=4 at the deep shape: 2 x 5-point lr grid x 2 tuning seeds, then 5 " \
-          f"seeds each at its best | {_wall(read_json(out / 'state.json'), 'tuned')} |"
-    lines = [line for line in lines if not line.startswith("| tuned |")]
-    at = next(i for i, line in enumerate(lines) if line.startswith("| ladder |"))
-    lines.insert(at + 1, row)
-    if f"## {TUNED_TITLE}" in lines:  # replace the section up to the next one
-        start = lines.index(f"## {TUNED_TITLE}")
+    rows = [i for i, line in enumerate(lines) if line.startswith(f"| {part} |")]
+    if rows:
+        lines[rows[0]] = row
+    else:  # after the wall-time table's last row
+        table = next(i for i, line in enumerate(lines) if line.startswith("| prepare |"))
+        while lines[table + 1].startswith("| "):
+            table += 1
+        lines.insert(table + 1, row)
+    section = [f"## {title}", "", f"*Added on {time.strftime('%Y-%m-%d')} from `{source}`; "
+               "the sections above are as their runs wrote them.*", "", *text, ""]
+    if f"## {title}" in lines:  # replaced where it stands, up to the next section
+        start = lines.index(f"## {title}")
         stop = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
-        del lines[start:stop]
-    at = lines.index("## Not run at this scale")
-    lines[at:at] = [f"## {TUNED_TITLE}", "", f"*Added on {time.strftime('%Y-%m-%d')} from `runs/tuned`; "
-                    "the sections above are as their runs wrote them.*", "", *text, ""]
+        lines[start:stop] = section
+    else:
+        at = lines.index("## Not run at this scale")
+        lines[at:at] = section
     tmp = report.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(report)
@@ -640,6 +669,7 @@ def write_report(out: Path) -> Path:
         ("5. Depth attention (Figure 8)", lambda: part_heatmaps(runs, figs)),
         ("6. The compute multiplier (Table 2's fits)", lambda: part_ladder(out, runs, figs)),
         (TUNED_TITLE, lambda: tuned_section(out, runs, figs)),
+        (TASKS_TITLE, lambda: tasks_section(out, figs)),
     ]
     body, claims = [], []
     for title, build in sections:
@@ -676,8 +706,7 @@ def write_report(out: Path) -> Path:
         f"| blocksize | Block N=8 and N=2 at the deep shape x 5 seeds | {_wall(state, 'blocksize')} |",
         f"| depth | standard and Block N=2 at the shallow shape x 5 seeds | {_wall(state, 'depth')} |",
         f"| ladder | standard and Block N=8 at widths 16, 24, 32 x 3 seeds | {_wall(state, 'ladder')} |",
-        "| tuned | standard and Block N=4 at the deep shape: 2 x 5-point lr grid x 2 tuning seeds, then 5 seeds "
-        f"each at its best | {_wall(state, 'tuned')} |", "",
+        TUNED_ROW.format(_wall(state, "tuned")), TASKS_ROW.format(_wall(state, "tasks")), "",
         "## Training length", "", *part_length(runs, figs), "",
         *body,
         "## Not run at this scale", "",
@@ -700,5 +729,12 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=HERE / "runs")
     parser.add_argument("--only-tuned", action="store_true",
                         help="update only the tuned section (the other parts' runs need not be here)")
+    parser.add_argument("--only-tasks", action="store_true",
+                        help="update only the downstream-task section (the other parts' runs need not be here)")
     args = parser.parse_args()
-    print(splice_tuned(args.out.resolve()) if args.only_tuned else write_report(args.out.resolve()))
+    out = args.out.resolve()
+    if args.only_tuned or args.only_tasks:
+        for splice_part in [splice_tuned] * args.only_tuned + [splice_tasks] * args.only_tasks:
+            print(splice_part(out))
+    else:
+        print(write_report(out))

@@ -42,8 +42,8 @@ def test_a_stopped_sweep_saves_its_jobs_and_writes_its_summary(tmp_path, sig, gr
     proc = subprocess.Popen([*CLI, *args], cwd=tmp_path, env=cli_env(), stdout=open(out, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)  # as a terminal starts it
     try:
-        saved = _wait(lambda: len(list(tmp_path.glob("sweep/*/checkpoints/last.ckpt"))) >= jobs or proc.poll() is not None,
-                      240)
+        saved = _wait(lambda: len(list(tmp_path.glob("sweep/*/checkpoints/last.ckpt"))) >= jobs
+                      or proc.poll() is not None, 240)
         assert saved and proc.poll() is None, out.read_text()[-3000:]
         (os.killpg if group else os.kill)(proc.pid, sig)
         assert proc.wait(timeout=120) == code, out.read_text()[-3000:]
