@@ -195,8 +195,8 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
         lines += ["", f"![loss against lr across {axis}](figures/transfer_{axis}.png)", "",
                   f"Wall time of this axis's sweeps on this machine: {wall / 60:.0f} min.", ""]
     lines += ["Where this does not hold: one token budget for every size (not compute-optimal), 400 steps of "
-              "8 x 128 bytes, byte-level stdlib, two tuning seeds per point (the noise between them is in the dots), the "
-              "lr alone searched (warm-up, weight decay and the pseudo-queries' lr scale fixed), and sizes "
+              "8 x 128 bytes, byte-level stdlib, two tuning seeds per point (the noise between them is in the "
+              "dots), the lr alone searched (warm-up, weight decay and the pseudo-queries' lr scale fixed), and sizes "
               "far below the paper's.", ""]
     tmp = target.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines))
