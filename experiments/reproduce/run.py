@@ -6,7 +6,8 @@
 
 Part `prepare` tokenizes the stdlib with a 1,024-token BPE into experiments/reproduce/data/stdlib-1k
 (once). Every other part is one `attnres-run -m` sweep of experiment=repro_study
-(experiments/reproduce/conf/, the shapes and budgets; STUDY_PLAN.md, why) into
+(experiments/reproduce/conf/, the shapes and budgets; STUDY_PLAN.md, why), or for part `tasks` of
+experiment=synthetic_depth with `eval.tasks=[attnres_pointer]` (tasks_part.py), into
 `experiments/reproduce/runs/<part>/` (`--out` moves it). Every sweep runs with `resume=true`: run
 the command again after a crash, a kill or Ctrl-C and finished jobs are skipped, unfinished ones
 continue from their last checkpoint. The wall time of each part is added up across invocations
