@@ -126,7 +126,7 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
                   ""]
     if seconds:
         took = f"One evaluation (500 documents, 2,000 choices scored) took {statistics.fmean(seconds):.1f} s on average"
-        run = f"; a run, training and evaluation, {statistics.fmean(walls) / 60:.1f} min" if walls else ""
+        run = f"; a run, training and evaluation, {statistics.median(walls) / 60:.1f} min (median)" if walls else ""
         lines += [f"{took} (one thread){run}.", ""]
     lines += ["Where this does not hold: one synthetic task at one small shape and one length; a run's accuracy "
               "over 500 documents has a sampling error of about 2 points by itself; the paper's tasks (knowledge, "
