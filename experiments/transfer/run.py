@@ -149,9 +149,9 @@ def figure(results: dict, axis: str, path: Path) -> None:
             ax.set_xlabel("AdamW learning rate")
             if c == 0:
                 ax.set_ylabel("val/loss (mean of 2 tuning seeds; dots: each seed)")
-            if sizes:
+            if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
-            else:
+            elif not sizes:
                 ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"learning-rate transfer across {axis}: the star is each size's best", fontsize=10)
     fig.tight_layout()
