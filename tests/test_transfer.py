@@ -66,3 +66,24 @@ def test_the_report_names_each_sizes_optimum_and_how_far_it_moved(tmp_path):
     assert (tmp_path / "figures" / "transfer_width.png").stat().st_size > 10_000
     curves = run.curves(tuning.read_state(out / "width_mup"), "model.n_embd")
     assert math.isclose(curves[("block", 128)]["best"], 6e-3) and len(curves[("block", 128)]["points"]) == 10
+
+
+def test_the_answers_say_plainly_which_setting_transfers(tmp_path):
+    run = _load()
+    out = tmp_path / "runs"
+    tuning.write_state(out / "depth_standard", _sweep_state({4: -1, 8: 0, 16: 1}, "model.n_layer"))
+    tuning.write_state(out / "depth_mup", _sweep_state({4: 0, 8: 0, 16: 1}, "model.n_layer"))
+    text = run.report(out, tmp_path / "TRANSFER.md").read_text()
+    answers = text.split("## Answers")[1]
+    assert ("- Across depth, the standard residual: the optimum moves 2 grid steps under the standard "
+            "parametrization and 1 grid step under mup: mup transfers it, the standard parametrization does not."
+            ) in answers
+    assert ("- Does Block AttnRes transfer across depth unaided (the standard parametrization), where the standard "
+            "residual does not? no: both optima move (2 grid steps against 2 grid steps).") in answers
+    found = {"depth": {"standard": run.curves(tuning.read_state(out / "depth_mup"), "model.n_layer"),
+                       "mup": run.curves(tuning.read_state(out / "depth_standard"), "model.n_layer")}}
+    swapped = "\n".join(run.answers(found))  # mup moving more than standard is said, not hidden
+    assert "mup moves it more than the standard parametrization does: mup does not transfer it here" in swapped
+    assert "no: Block's optimum moves where the standard residual's does not" not in swapped
+    assert "neither moves by more than one step at these depths" in swapped
+    assert "Across width" not in answers  # an axis not run has no answer

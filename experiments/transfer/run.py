@@ -118,6 +118,61 @@ def shift_line(by_size: dict[int, dict]) -> str:
     return f"{cells}: {word}{edge}"
 
 
+def moved(by_size: dict[int, dict]) -> tuple[int, bool] | None:
+    """(grid steps between the sizes' optima, whether one lies on its grid's edge), or None before
+    two sizes have an optimum."""
+    found = [v for v in by_size.values() if v["best_step"] is not None]
+    if len(found) < 2:
+        return None
+    steps = [v["best_step"] for v in found]
+    return max(steps) - min(steps), any(v["edge"] for v in found)
+
+
+def _steps(m: tuple[int, bool]) -> str:
+    return f"{m[0]} grid step{'s' if m[0] != 1 else ''}{' (an optimum on its grid edge)' if m[1] else ''}"
+
+
+def answers(found: dict[str, dict]) -> list[str]:
+    """The study's three questions answered plainly from found[axis][parametrization] = curves():
+    does the optimum stay within one grid step under mup, does it shift under standard, and does
+    Block AttnRes transfer across depth where the standard residual does not?"""
+    lines = []
+    for axis, results in found.items():
+        by = {(p, strategy): moved({size: v for (s, size), v in results.get(p, {}).items() if s == strategy})
+              for p in PARAMETRIZATIONS for strategy in STRATEGIES}
+        for strategy in STRATEGIES:
+            name = "Block N=4" if strategy == "block" else "the standard residual"
+            plain, mup = by["standard", strategy], by["mup", strategy]
+            if plain is None or mup is None:
+                lines.append(f"- Across {axis}, {name}: not both parametrizations searched at two sizes yet.")
+                continue
+            if mup[0] <= 1 < plain[0]:
+                word = "mup transfers it, the standard parametrization does not"
+            elif mup[0] <= 1 and plain[0] <= 1:
+                word = "both keep it within one step at these sizes, so this range cannot tell them apart"
+            elif mup[0] > 1 and plain[0] <= 1:
+                word = "mup moves it more than the standard parametrization does: mup does not transfer it here"
+            else:
+                word = "neither keeps it within one step: mup does not transfer it here"
+            lines.append(f"- Across {axis}, {name}: the optimum moves {_steps(plain)} under the standard "
+                         f"parametrization and {_steps(mup)} under mup: {word}.")
+        if axis == "depth":
+            block, plain = by["standard", "block"], by["standard", "standard"]
+            if block is None or plain is None:
+                continue
+            if block[0] <= 1 < plain[0]:
+                word = "yes: Block's optimum stays within one step, the standard residual's does not"
+            elif block[0] <= 1 and plain[0] <= 1:
+                word = "neither moves by more than one step at these depths, so there is nothing here for it to fix"
+            elif block[0] > 1 >= plain[0]:
+                word = "no: Block's optimum moves where the standard residual's does not"
+            else:
+                word = "no: both optima move"
+            lines.append(f"- Does Block AttnRes transfer across depth unaided (the standard parametrization), "
+                         f"where the standard residual does not? {word} ({_steps(block)} against {_steps(plain)}).")
+    return lines
+
+
 def figure(results: dict, axis: str, path: Path) -> None:
     import matplotlib
 
@@ -172,6 +227,7 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
              "of a tuned sweep's log grid (factor 2); the best lr of each size, and how far it moved across "
              "the sizes, in grid steps. Under `mup` the smallest size is the base, where mup and standard "
              "are the same model.", ""]
+    found = {}
     for axis, (key, sizes, _) in AXES.items():
         results = {}
         for parametrization in PARAMETRIZATIONS:
@@ -184,6 +240,7 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
         if not results:
             lines += [f"Not run yet: `python experiments/transfer/run.py --axes {axis}`.", ""]
             continue
+        found[axis] = results
         figure(results, axis, figures / f"transfer_{axis}.png")
         for parametrization in PARAMETRIZATIONS:
             for strategy in STRATEGIES:
@@ -194,6 +251,10 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
         wall = sum(w for w in walls if w)
         lines += ["", f"![loss against lr across {axis}](figures/transfer_{axis}.png)", "",
                   f"Wall time of this axis's sweeps on this machine: {wall / 60:.0f} min.", ""]
+    if found:
+        lines += ["## Answers", "", "A grid step is a factor of 2 in lr. An optimum on its grid's edge, after the "
+                  "grid grew by up to 3 points there, is a bound rather than a value, and the move it enters is "
+                  "marked.", "", *answers(found), ""]
     lines += ["Where this does not hold: one token budget for every size (not compute-optimal), 400 steps of "
               "8 x 128 bytes, byte-level stdlib, two tuning seeds per point (the noise between them is in the "
               "dots), the lr alone searched (warm-up, weight decay and the pseudo-queries' lr scale fixed), and sizes "
