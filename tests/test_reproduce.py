@@ -143,3 +143,16 @@ def test_the_tasks_section_pairs_the_arms_by_seed_and_splices_in_once(tmp_path, 
     # the sections before it are as they were
     kept = original.split("## Training length")[1].split("## 7.")[0]
     assert kept == text.split("## Training length")[1].split("## 7.")[0]
+
+
+def test_the_tasks_section_makes_no_claim_before_a_seed_has_both_arms(tmp_path, monkeypatch):
+    import shutil
+
+    _fake_tasks_runs(tmp_path / "runs", {0: {"standard": (0.40, 1.00)}, 1: {"block": (0.46, 0.98)}})
+    shutil.copy(HERE / "REPORT.md", tmp_path / "REPORT.md")
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    text = report.splice_tasks(tmp_path / "runs").read_text()
+    assert "No seed has finished in both arms yet: no difference, and no claim line." in text
+    assert "on a downstream task" not in text
+    assert text.split("## Verdicts (")[1].split(")")[0] == \
+        (HERE / "REPORT.md").read_text().split("## Verdicts (")[1].split(")")[0]
