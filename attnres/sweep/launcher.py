@@ -59,11 +59,13 @@ class ParallelLauncher(AttnresLauncher, JoblibLauncher):
         super().__init__(**joblib)
         self.jobs_per_gpu, self.cpu_jobs, self.stop_grace_s = jobs_per_gpu, cpu_jobs, float(stop_grace_s)
         self.gpus_per_job = gpus_per_job
-        self.lock_dir = Path(lock_dir) if lock_dir else default_lock_dir()
+        self.lock_dir = Path(lock_dir) if lock_dir else None  # None: default_lock_dir, once the devices are known
 
     def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
                 initial_job_idx: int) -> Sequence[JobReturn]:
-        slots = plan_slots(visible_gpus(), self.jobs_per_gpu, self.cpu_jobs, self.gpus_per_job)
+        gpus = visible_gpus()
+        slots = plan_slots(gpus, self.jobs_per_gpu, self.cpu_jobs, self.gpus_per_job)
+        self.lock_dir = self.lock_dir or default_lock_dir(cpu_only=not gpus)
         os.environ[SLOTS_ENV] = json.dumps([asdict(s) for s in slots])  # workers inherit it
         os.environ["ATTNRES_LOCK_DIR"] = str(self.lock_dir)
         stop = SweepStop(sweep_dir)

@@ -294,13 +294,16 @@ def release_slot() -> None:
         claimed = None
 
 
-def default_lock_dir() -> Path:
-    """/tmp/attnres-slots-<uid>, shared by every sweep of the user on this machine; a sweep confined to
-    some of the cores (`taskset -c 1`) shares the slots of that set of cores alone, so two sweeps
-    pinned to different cores run side by side instead of waiting for each other's slots."""
+def default_lock_dir(cpu_only: bool = False) -> Path:
+    """/tmp/attnres-slots-<uid>, shared by every sweep of the user on this machine. A sweep without
+    GPUs confined to some of the cores (`taskset -c 1`) shares the slots of that set of cores alone,
+    so two sweeps pinned to different cores run side by side instead of waiting for each other's
+    slots; GPU slots stay shared whatever the cores, so no two sweeps put jobs on one GPU."""
     if "ATTNRES_LOCK_DIR" in os.environ:
         return Path(os.environ["ATTNRES_LOCK_DIR"])
     base = f"/tmp/attnres-slots-{os.getuid()}"
+    if not cpu_only:
+        return Path(base)
     try:
         mine = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):

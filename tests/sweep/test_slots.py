@@ -63,20 +63,21 @@ def test_slot_plan_counts_the_cores_this_process_may_use(monkeypatch):
     assert [(s.name, s.threads) for s in plan_slots([], 1, None)] == [("cpu0", 2), ("cpu1", 2)]
 
 
-def test_a_sweep_pinned_to_some_cores_shares_their_slots_alone(monkeypatch):
+def test_a_cpu_sweep_pinned_to_some_cores_shares_their_slots_alone(monkeypatch):
     import attnres.sweep.slots as slots
 
     monkeypatch.delenv("ATTNRES_LOCK_DIR", raising=False)
     uid = os.getuid()
     monkeypatch.setattr(slots.os, "cpu_count", lambda: 8)
     monkeypatch.setattr(slots.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert str(slots.default_lock_dir()) == f"/tmp/attnres-slots-{uid}"
+    assert str(slots.default_lock_dir(cpu_only=True)) == f"/tmp/attnres-slots-{uid}"
     monkeypatch.setattr(slots.os, "sched_getaffinity", lambda pid: {1}, raising=False)
-    assert str(slots.default_lock_dir()) == f"/tmp/attnres-slots-{uid}-cpus1"
+    assert str(slots.default_lock_dir(cpu_only=True)) == f"/tmp/attnres-slots-{uid}-cpus1"
+    assert str(slots.default_lock_dir()) == f"/tmp/attnres-slots-{uid}"  # GPU slots: shared whatever the cores
     monkeypatch.setattr(slots.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5}, raising=False)
-    assert str(slots.default_lock_dir()) == f"/tmp/attnres-slots-{uid}-cpus0-2,5"
+    assert str(slots.default_lock_dir(cpu_only=True)) == f"/tmp/attnres-slots-{uid}-cpus0-2,5"
     monkeypatch.setenv("ATTNRES_LOCK_DIR", "/somewhere")  # what the launcher hands its workers wins
-    assert str(slots.default_lock_dir()) == "/somewhere"
+    assert str(slots.default_lock_dir(cpu_only=True)) == "/somewhere"
 
 
 HOLDER = """
