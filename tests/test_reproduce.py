@@ -4,8 +4,11 @@ runs, and run.py's refusals."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -156,3 +159,41 @@ def test_the_tasks_section_makes_no_claim_before_a_seed_has_both_arms(tmp_path, 
     assert "on a downstream task" not in text
     assert text.split("## Verdicts (")[1].split(")")[0] == \
         (HERE / "REPORT.md").read_text().split("## Verdicts (")[1].split(")")[0]
+
+
+CHILD = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+signal.signal(signal.SIGINT, lambda s, f: got.append(s))
+open(sys.argv[1] + ".ready", "w").close()
+end = time.monotonic() + 60
+while time.monotonic() < end and not got:
+    time.sleep(0.05)
+time.sleep(1.0)  # a second signal, had one been sent, arrives here
+open(sys.argv[1], "w").write(",".join(map(str, got)))
+sys.exit(128 + got[0] if got else 0)
+"""
+
+
+@pytest.mark.parametrize(("sig", "group", "code"), [(signal.SIGTERM, False, 143), (signal.SIGINT, True, 130)],
+                         ids=["kill-the-script", "ctrl-c-to-the-terminal-group"])
+def test_run_py_passes_a_signal_on_to_its_sweep_exactly_once(tmp_path, sig, group, code):
+    """`kill` of run.py (transfer/run.py shares it) stops the sweep it runs instead of leaving it
+    running unseen, and a terminal's Ctrl-C reaches the sweep once, not twice (a second one would
+    stop the jobs at once, without their step's save)."""
+    record = tmp_path / "got"
+    driver = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import run; from pathlib import Path; "
+              f"sys.exit(run.call_forwarding([sys.executable, '-c', {CHILD!r}, {str(record)!r}], Path('.')))")
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=tmp_path, start_new_session=True)
+    try:
+        end = time.monotonic() + 60
+        while not (tmp_path / "got.ready").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert (tmp_path / "got.ready").exists()
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        assert proc.wait(timeout=60) == code
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert record.read_text() == str(int(sig))

@@ -18,8 +18,10 @@ with `--report-only`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,7 +84,7 @@ def prepare() -> int:
         return 0
     command = ["attnres-prepare", "stdlib", str(DATA), "--vocab-size", "1024"]
     print("+ " + " ".join(command), flush=True)
-    return subprocess.call(command, cwd=REPO)
+    return call_forwarding(command, REPO)
 
 
 def read_state(out: Path) -> dict:
@@ -98,13 +100,31 @@ def write_state(out: Path, state: dict) -> None:
     os.replace(tmp, out / "state.json")
 
 
+def call_forwarding(command: list[str], cwd: Path) -> int:
+    """Run a sweep and wait for it, passing Ctrl-C and SIGTERM on to it exactly once each: the sweep
+    runs in a session of its own, so a terminal's Ctrl-C reaches it through this script alone, and a
+    `kill` of this script stops the sweep (its jobs save) instead of leaving it running unseen."""
+    proc = subprocess.Popen(command, cwd=cwd, start_new_session=True)
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_sweep(sweep: Sweep, out: Path, jobs: int | None) -> int:
     command = [sys.executable, "-m", "attnres", "-m", f"hydra.searchpath=[file://{CONF}]", *sweep.overrides,
                f"hydra.sweep.dir={out / sweep.folder}", "resume=true", "trainer.enable_progress_bar=false"]
     if jobs:
         command.append(f"hydra.launcher.cpu_jobs={jobs}")
     print("+ " + " ".join(command[1:]), flush=True)
-    return subprocess.call(command, cwd=REPO)
+    return call_forwarding(command, REPO)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ def _reproduce_run():
 
 
 _REPRODUCE = _reproduce_run()
-read_state, write_state = _REPRODUCE.read_state, _REPRODUCE.write_state
+read_state, write_state, call_forwarding = _REPRODUCE.read_state, _REPRODUCE.write_state, _REPRODUCE.call_forwarding
 
 
 def run_sweep(folder: str, overrides: list[str], out: Path, jobs: int | None) -> int:
@@ -69,7 +68,7 @@ def run_sweep(folder: str, overrides: list[str], out: Path, jobs: int | None) ->
     if jobs:
         command.append(f"hydra.launcher.cpu_jobs={jobs}")
     print("+ " + " ".join(command[1:]), flush=True)
-    return subprocess.call(command, cwd=REPO)
+    return call_forwarding(command, REPO)
 
 
 # -- the report --------------------------------------------------------------------------------------
