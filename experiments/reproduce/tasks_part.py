@@ -118,6 +118,10 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
                      f"{mean_sd([m[ACC] for m in got], digits=3)} | {mean_sd([m['val/loss'] for m in got])} | "
                      f"{mean_sd([m['val/accuracy'] for m in got if 'val/accuracy' in m], digits=3)} |")
     if seeds:
+        lines += ["", "| seed | standard acc | Block acc | standard val/loss | Block val/loss |", "|---|---|---|---|---|"]
+        lines += [f"| {s} | {runs['standard'][s]['metrics'][ACC]:.3f} | {runs['block'][s]['metrics'][ACC]:.3f} | "
+                  f"{runs['standard'][s]['metrics']['val/loss']:.4f} | {runs['block'][s]['metrics']['val/loss']:.4f} |"
+                  for s in seeds]
         lines += ["", f"Block N=4 minus standard, paired by seed: **{acc.text(' pt')}** of `{ACC}` "
                   f"({len(seeds)} seeds, 95% Student t); beside it the loss, {loss.text()} of the standard's "
                   "val/loss.", ""]
