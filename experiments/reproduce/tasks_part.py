@@ -118,7 +118,8 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
                      f"{mean_sd([m[ACC] for m in got], digits=3)} | {mean_sd([m['val/loss'] for m in got])} | "
                      f"{mean_sd([m['val/accuracy'] for m in got if 'val/accuracy' in m], digits=3)} |")
     if seeds:
-        lines += ["", "| seed | standard acc | Block acc | standard val/loss | Block val/loss |", "|---|---|---|---|---|"]
+        lines += ["", "| seed | standard acc | Block acc | standard val/loss | Block val/loss |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {s} | {runs['standard'][s]['metrics'][ACC]:.3f} | {runs['block'][s]['metrics'][ACC]:.3f} | "
                   f"{runs['standard'][s]['metrics']['val/loss']:.4f} | {runs['block'][s]['metrics']['val/loss']:.4f} |"
                   for s in seeds]
