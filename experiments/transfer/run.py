@@ -198,16 +198,21 @@ def figure(results: dict, axis: str, path: Path) -> None:
                     best = v["means"][v["lrs"].index(v["best"])]
                     ax.scatter([v["best"]], [best], marker="*", s=120, color=colour, edgecolor="black", zorder=5)
             ax.set_xscale("log", base=2)
+            grid = sorted({lr for v in by_size.values() for lr in v["lrs"]})
+            if grid:  # the grid's own values, not powers of 2
+                ax.set_xticks(grid, [f"{lr:.2g}" for lr in grid], rotation=45, fontsize=7)
+                ax.minorticks_off()
             ax.set_title(f"{'Block N=4' if strategy == 'block' else 'standard residual'}, "
                          f"parametrization={parametrization}", fontsize=9)
             ax.set_xlabel("AdamW learning rate")
             if c == 0:
-                ax.set_ylabel("val/loss (mean of 2 tuning seeds; dots: each seed)")
+                ax.set_ylabel("val/loss")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
             elif not sizes:
                 ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(f"learning-rate transfer across {axis}: the star is each size's best", fontsize=10)
+    fig.suptitle(f"learning-rate transfer across {axis}: lines the mean of 2 tuning seeds, dots each seed, "
+                 "the star each size's best", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
