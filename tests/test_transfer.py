@@ -87,3 +87,15 @@ def test_the_answers_say_plainly_which_setting_transfers(tmp_path):
     assert "no: Block's optimum moves where the standard residual's does not" not in swapped
     assert "neither moves by more than one step at these depths" in swapped
     assert "Across width" not in answers  # an axis not run has no answer
+
+
+def test_an_axis_started_but_without_a_finished_search_says_so_and_draws_nothing(tmp_path):
+    run = _load()
+    out = tmp_path / "runs"
+    state = _sweep_state({32: 0, 64: 0}, "model.n_embd")
+    for group in state["groups"]:
+        group["trials"] = []  # the search's first batch still running
+    tuning.write_state(out / "width_standard", state)
+    text = run.report(out, tmp_path / "TRANSFER.md").read_text()
+    assert "Started, no search finished yet: `python experiments/transfer/run.py --axes width` continues it." in text
+    assert not (tmp_path / "figures" / "transfer_width.png").exists() and "## Answers" not in text

@@ -244,6 +244,10 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
         if not results:
             lines += [f"Not run yet: `python experiments/transfer/run.py --axes {axis}`.", ""]
             continue
+        if not any(v["best_step"] is not None for r in results.values() for v in r.values()):
+            lines += [f"Started, no search finished yet: `python experiments/transfer/run.py --axes {axis}` "
+                      "continues it.", ""]
+            continue
         found[axis] = results
         figure(results, axis, figures / f"transfer_{axis}.png")
         for parametrization in PARAMETRIZATIONS:
