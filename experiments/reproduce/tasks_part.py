@@ -123,6 +123,10 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
         lines += [f"| {s} | {runs['standard'][s]['metrics'][ACC]:.3f} | {runs['block'][s]['metrics'][ACC]:.3f} | "
                   f"{runs['standard'][s]['metrics']['val/loss']:.4f} | {runs['block'][s]['metrics']['val/loss']:.4f} |"
                   for s in seeds]
+        above = {arm: sum(runs[arm][s]["metrics"][ACC] >= 0.5 for s in seeds) for arm in ARMS}
+        lines += ["", f"Runs at or above 0.5 accuracy (twice chance): standard {above['standard']} of {len(seeds)}, "
+                  f"Block {above['block']} of {len(seeds)}; a description of the spread (the threshold was "
+                  "not set before the runs), not part of the verdict below."]
         lines += ["", f"Block N=4 minus standard, paired by seed: **{acc.text(' pt')}** of `{ACC}` "
                   f"({len(seeds)} seeds, 95% Student t); beside it the loss, {loss.text()} of the standard's "
                   "val/loss.", ""]
