@@ -206,3 +206,26 @@ def test_run_py_passes_a_signal_on_to_its_sweep_exactly_once(tmp_path, sig, grou
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert record.read_text() == str(int(sig))
+
+
+def test_running_one_part_where_the_others_runs_are_absent_keeps_their_sections(tmp_path, monkeypatch):
+    """run.py --parts tasks on a machine that holds no other part's runs splices section 8 in and
+    keeps sections 1 to 7 and their figures, instead of rebuilding REPORT.md from the runs there."""
+    import shutil
+
+    _fake_tasks_runs(tmp_path / "runs", {0: {"standard": (0.40, 1.00), "block": (0.46, 0.98)},
+                                         1: {"standard": (0.50, 1.10), "block": (0.55, 1.05)}})
+    shutil.copy(HERE / "REPORT.md", tmp_path / "REPORT.md")
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "magnitude.png").write_bytes(b"kept")
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    written, kept = report.update_report(tmp_path / "runs", ["tasks"])
+    text = written.read_text()
+    assert kept.startswith("REPORT.md kept as written: part(s) ordering, blocksize, depth, ladder, tuned have no "
+                           "runs in ") and "section(s) of part(s) tasks updated" in kept
+    original = (HERE / "REPORT.md").read_text()
+    assert original.split("## Training length")[1].split("## 8.")[0] == \
+        text.split("## Training length")[1].split("## 8.")[0]  # sections 1 to 7 as they were
+    assert "## 1. Loss ordering (Table 2)" in text and "No runs yet" not in text
+    assert text.count(f"## {report.TASKS_TITLE}") == 1
+    assert (tmp_path / "figures" / "magnitude.png").read_bytes() == b"kept"

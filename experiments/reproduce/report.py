@@ -642,6 +642,27 @@ def splice(title: str, text: list[str], claims: list[str], old_claim: str, part:
     return report
 
 
+SPLICES: dict[str, Callable[[Path], Path]] = {"tuned": splice_tuned, "tasks": splice_tasks}
+FOLDERS = (*PARTS, "tuned", "tasks")  # every part's runs folder under the output folder
+
+
+def update_report(out: Path, ran: Sequence[str]) -> tuple[Path, str]:
+    """After parts `ran`: the whole report rebuilt when every part's runs are in `out`; otherwise
+    (a machine that holds some parts' runs) the report is never rebuilt without the others'
+    sections: the sections of the parts that ran and can be updated alone are spliced in, and the
+    second value says what was kept."""
+    absent = [name for name in FOLDERS if not (out / name).is_dir()]
+    if not absent:
+        return write_report(out), ""
+    done = [name for name in ran if name in SPLICES]
+    report = HERE / "REPORT.md"
+    for name in done:
+        report = SPLICES[name](out)
+    what = f"section(s) of part(s) {', '.join(done)} updated" if done else "nothing in it updated"
+    return report, (f"REPORT.md kept as written: part(s) {', '.join(absent)} have no runs in {out}; {what}. "
+                    "`--report-only` rebuilds it from the runs here alone")
+
+
 def _wall(state: dict, part: str) -> str:
     entry = state.get(part)
     if not entry:

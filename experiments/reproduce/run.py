@@ -11,8 +11,10 @@ experiment=synthetic_depth with `eval.tasks=[attnres_pointer]` (tasks_part.py), 
 `experiments/reproduce/runs/<part>/` (`--out` moves it). Every sweep runs with `resume=true`: run
 the command again after a crash, a kill or Ctrl-C and finished jobs are skipped, unfinished ones
 continue from their last checkpoint. The wall time of each part is added up across invocations
-in `runs/state.json`. The report (experiments/reproduce/report.py) is written at the end, or alone
-with `--report-only`.
+in `runs/state.json`. The report (experiments/reproduce/report.py) is rebuilt at the end when the
+output folder holds every part's runs; where it holds only some (another machine ran the rest),
+the sections of the parts just run that stand alone (tuned, tasks) are spliced into REPORT.md and
+the rest is kept as written. `--report-only` rebuilds it from whatever runs are there.
 """
 
 from __future__ import annotations
@@ -172,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             if any(code in (130, 143) for code in codes):  # Ctrl-C or SIGTERM: stop here, resumable
                 print("run.py: interrupted; run the same command again to continue", file=sys.stderr)
                 return codes[-1]
-    from report import write_report  # experiments/reproduce/report.py, beside this file
+    from report import update_report, write_report  # experiments/reproduce/report.py, beside this file
 
-    report = write_report(out)
-    print(f"report: {report}")
+    if args.report_only:
+        print(f"report: {write_report(out)}")
+    else:
+        report, kept = update_report(out, [p.name for p in PARTS if p.name in wanted])
+        print(f"report: {report}" + (f" ({kept})" if kept else ""))
     if failed:
         print(f"run.py: part(s) {', '.join(failed)} did not finish every job; the report says which; "
               "run the same command again to continue", file=sys.stderr)
