@@ -1,6 +1,6 @@
 """The reproduction study: which of the Attention Residuals paper's claims does a CPU resolve?
 
-    python experiments/reproduce/run.py                   # every part (about 2 hours on 2 free cores), then REPORT.md
+    python experiments/reproduce/run.py                   # every part (about 4.5 hours on 2 free cores), then REPORT.md
     python experiments/reproduce/run.py --parts ordering  # one part (prepare, ordering, blocksize, depth, ..., tasks)
     python experiments/reproduce/run.py --report-only     # rebuild REPORT.md from the runs so far
 

@@ -68,20 +68,29 @@ def figure(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> Any:
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, key, label in ((axes[0], ACC, f"{ACC} (4 choices)"), (axes[1], "val/loss", "val/loss")):
+        ends = {}
         for seed in seeds:
             ys = [runs[arm][seed]["metrics"][key] for arm in ARMS]
             ax.plot([0, 1], ys, marker="o", color="tab:gray", alpha=0.6)
-            ax.annotate(f"seed {seed}", (1.02, ys[1]), fontsize=7, va="center")
+            ends[seed] = ys[1]
+        every = [runs[arm][s]["metrics"][key] for arm in ARMS for s in seeds]
+        gap, last = 0.045 * ((max(every) - min(every)) or 1.0), None
+        for seed, y in sorted(ends.items(), key=lambda item: item[1]):  # labels nudged apart, never on each other
+            last = y if last is None else max(y, last + gap)
+            ax.annotate(f"seed {seed}", (1.04, last), fontsize=7, va="center")
         for i, arm in enumerate(ARMS):
             ys = [runs[arm][s]["metrics"][key] for s in seeds]
-            ax.scatter([i], [statistics.fmean(ys)], marker="_", s=600, color="black", zorder=5)
+            x = i - 0.12  # left of the points; the seed labels are on the right
+            ax.plot([x - 0.05, x + 0.05], [statistics.fmean(ys)] * 2, color="black", lw=2.5, zorder=5,
+                    label="mean" if i == 0 else None)
         if key == ACC:
             ax.axhline(CHANCE, color="tab:red", ls="--", lw=1, label="chance")
-            ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="best")
         ax.set_xticks([0, 1], ["standard", "Block N=4"])
-        ax.set_xlim(-0.3, 1.4)
+        ax.set_xlim(-0.3, 1.45)
         ax.set_ylabel(label)
-    fig.suptitle("experiment=synthetic_depth, 5 seeds: each line a seed, the bar each arm's mean", fontsize=9)
+    fig.suptitle(f"experiment=synthetic_depth, {len(seeds)} seeds: each line a seed, the bar left of each arm its mean",
+                 fontsize=9)
     fig.tight_layout()
     return fig
 
