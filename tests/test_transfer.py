@@ -47,7 +47,7 @@ def _sweep_state(best_by_size: dict[int, int], key: str) -> dict:
                        "value": (k - best) ** 2 + 1.0 + 0.01 * (seed - 1000)}
                       for k in range(-2, 3) for seed in (1000, 1001)]
             groups.append({"label": f"{size} {strategy}", "overrides": [f"{key}={size}", f"residual={strategy}"],
-                           "centre": {"optim.optimizer.lr": 3e-3}, "trials": trials})
+                           "centre": {"optim.optimizer.lr": 3e-3}, "trials": trials, "chosen": best})
     return {"signature": {"grid": {"factor": 2.0}}, "tuning_seeds": [1000, 1001], "groups": groups, "arms": []}
 
 
@@ -93,8 +93,11 @@ def test_an_axis_started_but_without_a_finished_search_says_so_and_draws_nothing
     run = _load()
     out = tmp_path / "runs"
     state = _sweep_state({32: 0, 64: 0}, "model.n_embd")
-    for group in state["groups"]:
+    for group in state["groups"][:2]:
         group["trials"] = []  # the search's first batch still running
+        del group["chosen"]
+    for group in state["groups"][2:]:  # stopped (SIGTERM) after some trials: no optimum yet either
+        del group["chosen"]
     tuning.write_state(out / "width_standard", state)
     text = run.report(out, tmp_path / "TRANSFER.md").read_text()
     assert "Started, no search finished yet: `python experiments/transfer/run.py --axes width` continues it." in text

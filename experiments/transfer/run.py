@@ -89,8 +89,8 @@ def curves(state: dict, key: str) -> dict:
     for group in state.get("groups", []):
         size, strategy = _size_and_strategy(group.get("overrides", []), key)
         centre = (group.get("centre") or {}).get("optim.optimizer.lr")
-        if size is None or not isinstance(centre, (int, float)):
-            continue
+        if size is None or not isinstance(centre, (int, float)) or "chosen" not in group:
+            continue  # a search stopped before it ended: its optimum is not known yet
         trials = [t for t in group.get("trials", []) if isinstance(t.get("point"), int)]
         means = tuning.point_means(trials, seeds)
         best = tuning.best_point(means)
