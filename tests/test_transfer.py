@@ -102,3 +102,85 @@ def test_an_axis_started_but_without_a_finished_search_says_so_and_draws_nothing
     text = run.report(out, tmp_path / "TRANSFER.md").read_text()
     assert "Started, no search finished yet: `python experiments/transfer/run.py --axes width` continues it." in text
     assert not (tmp_path / "figures" / "transfer_width.png").exists() and "## Answers" not in text
+
+
+def test_a_report_from_a_clone_without_runs_keeps_what_was_measured(tmp_path):
+    """The runs are not in the repository: `--report-only` on a fresh clone must keep each measured
+    axis, its answers and base_search.py's block, not write "Not run yet" over them."""
+    run = _load()
+    out = tmp_path / "runs"
+    tuning.write_state(out / "width_standard", _sweep_state({32: -1, 64: 0, 128: 1, 256: 2}, "model.n_embd"))
+    tuning.write_state(out / "width_mup", _sweep_state({32: 0, 64: 0, 128: 1, 256: 0}, "model.n_embd"))
+    target = run.report(out, tmp_path / "TRANSFER.md")
+    block = "<!-- base_search.py: start -->\n## What mup carries\n\n- a line\n<!-- base_search.py: end -->"
+    target.write_text(target.read_text() + "\n" + block + "\n")
+    measured = target.read_text()
+    for _ in range(2):  # twice: keeping is stable
+        text = run.report(tmp_path / "empty", target).read_text()
+        width = text.split("## Across width")[1].split("## Across depth")[0]
+        assert "moves by 3 grid steps" in width and "stays within one grid step" in width
+        assert width.count("(Kept from the last report: the output folder holds no runs of this axis.)") == 1
+        assert "Not run yet: `python experiments/transfer/run.py --axes depth`." in text
+        answers = text.split("## Answers")[1]
+        assert "- Across width, the standard residual: the optimum moves 3 grid steps" in answers
+        assert text.count(block) == 1 and text.index(block) > text.index("Where this does not hold")
+    assert measured.split("## Answers")[1].split("Where")[0] in text  # the answers word for word
+    fresh = run.report(out, target).read_text()  # runs again: rebuilt from them, the mark gone
+    assert "(Kept from" not in fresh and fresh.count(block) == 1
+
+
+def _base_search():
+    spec = importlib.util.spec_from_file_location("transfer_base_search", SCRIPT.parent / "base_search.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs(bs, best: dict[str, tuple[float, float]], target: dict[tuple[str, str], list[float]]) -> list[dict]:
+    runs = []
+    for strategy, (lr0, init0) in best.items():
+        for lr in bs.LRS:
+            for init in bs.INIT_STDS:
+                for seed in bs.TUNING_SEEDS:
+                    loss = 2.0 + abs(math.log2(lr / lr0)) + abs(math.log2(init / init0)) + 0.001 * seed
+                    runs.append({"strategy": strategy, "seed": seed, "width": bs.BASE_WIDTH, "parametrization": "mup",
+                                 "lr": lr, "init_std": init, "loss": loss})
+    arms = {"standard": ("standard", bs.STANDARD_BEST_AT_TARGET, 0.02), "mup": ("mup", bs.MUP_BEST_AT_BASE, 0.02)}
+    for (strategy, arm), losses in target.items():
+        parametrization, lr, init = arms.get(arm) or ("mup", *best[strategy])
+        for seed, loss in zip(bs.SEEDS, losses, strict=False):
+            runs.append({"strategy": strategy, "seed": seed, "width": bs.TARGET_WIDTH,
+                         "parametrization": parametrization, "lr": lr, "init_std": init, "loss": loss})
+    return runs
+
+
+def test_the_base_search_picks_the_lowest_complete_pair_and_runs_it_at_the_target():
+    bs = _base_search()
+    runs = _runs(bs, {"standard": (0.012, 0.04), "block": (0.024, 0.04)}, {})
+    assert bs.choose(runs) == {"standard": (0.012, 0.04), "block": (0.024, 0.04)}
+    diverged = [dict(r, loss=math.nan) if (r["strategy"], r["lr"], r["init_std"], r["seed"]) ==
+                ("standard", 0.012, 0.04, 1001) else r for r in runs]
+    assert bs.choose(diverged)["standard"] != (0.012, 0.04)  # a diverged seed rules its pair out
+    assert "block" not in bs.choose([r for r in runs if not (r["strategy"] == "block" and r["lr"] == 0.048)])
+    sweeps = dict(bs.target_sweeps({"standard": (0.012, 0.04), "block": (0.012, 0.04)}))
+    assert list(sweeps) == ["target_standard", "target_mup", "target_mup_lr0.012_init0.04"]  # one sweep per pair
+    assert "residual=standard,block" in sweeps["target_mup_lr0.012_init0.04"]
+    assert "model.parametrization=mup" not in sweeps["target_standard"]
+    assert "optim.optimizer.lr=0.0015" in sweeps["target_standard"]
+    assert len(bs.target_sweeps({"standard": (0.012, 0.04), "block": (0.024, 0.04)})) == 4
+
+
+def test_the_base_search_section_pairs_each_arm_with_standard_by_seed():
+    bs = _base_search()
+    runs = _runs(bs, {"standard": (0.012, 0.04), "block": (0.024, 0.04)},
+                 {("standard", "standard"): [1.80, 1.82, 1.81], ("standard", "mup"): [2.05, 2.09, 2.06],
+                  ("standard", "tuned"): [1.85, 1.86, 1.88], ("block", "standard"): [1.79, 1.81]})
+    text = bs.section(runs)
+    assert text.startswith(bs.START) and text.endswith(bs.END)
+    assert "Chosen at the base: lr 0.012, init_std 0.04." in text
+    assert "- mup (init_std 0.02) minus standard: +0.257 nats [" in text
+    assert "- mup (base-tuned) minus standard: +0.053 nats [" in text
+    block = text.split("**Block N=4**")[1]
+    assert "over 2 seed(s)" in block and "mup at the base's best lr (0.024), init_std 0.02: not run yet" in block
+    assert "minus standard" not in block  # nothing to pair with yet
+    assert bs.splice("a\n" + text + "\nb", "NEW") == "a\nNEW\nb" and bs.splice("a", "NEW") == "a\n\nNEW\n"

@@ -221,9 +221,35 @@ def figure(results: dict, axis: str, path: Path) -> None:
     tmp.replace(path)
 
 
+def _sections(text: str) -> dict[str, list[str]]:
+    """A report's `## ` sections by their heading line (each with its heading), and its marked
+    blocks (base_search.py's) under their start marker."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    marked = False
+    for line in text.splitlines():
+        if line.startswith("<!-- ") and line.endswith(": start -->"):
+            current, marked = out.setdefault(line, []), True
+        elif line.startswith("## ") and not marked:
+            current = out.setdefault(line, [])
+        elif marked and line.startswith("<!-- ") and line.endswith(": end -->"):
+            current.append(line)
+            current, marked = None, False
+            continue
+        if current is not None:
+            current.append(line)
+    return out
+
+
 def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
+    """TRANSFER.md from the runs under `out`. An axis with no runs there keeps its section, figure and
+    answers from the TRANSFER.md already written (the runs are not in the repository: a fresh clone's
+    `--report-only` must not wipe what was measured), and base_search.py's block is kept as it is."""
     from attnres.results import tuning
 
+    old = _sections(target.read_text()) if target.exists() else {}
+    old_answers = old.get("## Answers", [])
+    kept: list[str] = []
     figures = target.parent / "figures"
     lines = ["# Learning-rate transfer across width and depth", "",
              "Written by `python experiments/transfer/run.py` (its docstring says what runs; "
@@ -239,8 +265,18 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
             sweep_state = tuning.read_state(folder)
             if sweep_state.get("groups"):
                 results[parametrization] = curves(sweep_state, key)
-        lines += [f"## Across {axis} ({', '.join(map(str, sizes))}"
-                  f"{' layers, width 64' if axis == 'depth' else ' wide, 4 layers'})", ""]
+        heading = (f"## Across {axis} ({', '.join(map(str, sizes))}"
+                   f"{' layers, width 64' if axis == 'depth' else ' wide, 4 layers'})")
+        previous = old.get(heading, [])
+        if not results and any(line.startswith("- ") for line in previous):
+            kept.append(axis)
+            previous = [line for line in previous if not line.startswith("(Kept from the last report")]
+            while previous and not previous[-1]:
+                previous.pop()
+            lines += [*previous,
+                      "(Kept from the last report: the output folder holds no runs of this axis.)", ""]
+            continue
+        lines += [heading, ""]
         if not results:
             lines += [f"Not run yet: `python experiments/transfer/run.py --axes {axis}`.", ""]
             continue
@@ -259,14 +295,22 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
         wall = sum(w for w in walls if w)
         lines += ["", f"![loss against lr across {axis}](figures/transfer_{axis}.png)", "",
                   f"Wall time of this axis's sweeps on this machine: {wall / 60:.0f} min.", ""]
-    if found:
+    kept_answers = [line for line in old_answers for axis in kept
+                    if line.startswith(f"- Across {axis},") or axis == "depth" and line.startswith("- Does Block")]
+    if found or kept_answers:
         lines += ["## Answers", "", "A grid step is a factor of 2 in lr. An optimum on its grid's edge, after the "
                   "grid grew by up to 3 points there, is a bound rather than a value, and the move it enters is "
-                  "marked.", "", *answers(found), ""]
+                  "marked.", "", *[line for axis in AXES for line in (
+                      answers({axis: found[axis]}) if axis in found else
+                      [a for a in kept_answers if a.startswith(f"- Across {axis},") or
+                       axis == "depth" and a.startswith("- Does Block")])], ""]
     lines += ["Where this does not hold: one token budget for every size (not compute-optimal), 400 steps of "
               "8 x 128 bytes, byte-level stdlib, two tuning seeds per point (the noise between them is in the "
               "dots), the lr alone searched (warm-up, weight decay and the pseudo-queries' lr scale fixed), and sizes "
               "far below the paper's.", ""]
+    for heading, block in old.items():
+        if heading.startswith("<!-- "):
+            lines += [*block, ""]
     tmp = target.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines))
     tmp.replace(target)
