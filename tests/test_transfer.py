@@ -178,6 +178,8 @@ def test_the_base_search_section_pairs_each_arm_with_standard_by_seed():
     text = bs.section(runs)
     assert text.startswith(bs.START) and text.endswith(bs.END)
     assert "Chosen at the base: lr 0.012, init_std 0.04." in text
+    edge = bs.section(_runs(bs, {"standard": (0.048, bs.INIT_STDS[-1])}, {}))
+    assert f"init_std {bs.INIT_STDS[-1]:g} (lr on its grid's edge and init_std on its grid's edge: a bound" in edge
     assert "- mup (init_std 0.02) minus standard: +0.257 nats [" in text
     assert "- mup (base-tuned) minus standard: +0.053 nats [" in text
     block = text.split("**Block N=4**")[1]

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 STRATEGIES = ("standard", "block")
 BASE_WIDTH, TARGET_WIDTH = 32, 256
 LRS = (0.006, 0.012, 0.024, 0.048)
-INIT_STDS = (0.01, 0.02, 0.04, 0.08, 0.16)
+INIT_STDS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 TUNING_SEEDS, SEEDS = (1000, 1001), (0, 1, 2)
 # From TRANSFER.md's width axis (2 tuning seeds a point): both strategies' best lr at width 256 under
 # standard, and at the base (width 32) under mup.
@@ -95,8 +95,10 @@ def read_runs(folder: Path) -> list[dict]:
         o = dict(x.lstrip("+").split("=", 1) for x in m.get("overrides", []) if "=" in x)
         loss = (m.get("metrics") or {}).get("val/loss")
         runs.append({"strategy": m.get("residual", o.get("residual", "standard")), "seed": int(o.get("seed", -1)),
-                     "width": int(o.get("model.n_embd", 0)), "parametrization": o.get("model.parametrization", "standard"),
-                     "lr": float(o.get("optim.optimizer.lr", "nan")), "init_std": float(o.get("model.init_std", 0.02)),
+                     "width": int(o.get("model.n_embd", 0)),
+                     "parametrization": o.get("model.parametrization", "standard"),
+                     "lr": float(o.get("optim.optimizer.lr", "nan")),
+                     "init_std": float(o.get("model.init_std", 0.02)),
                      "loss": float(loss) if loss is not None else math.nan})
     return runs
 
@@ -176,7 +178,10 @@ def section(runs: list[dict]) -> str:
             lines += ["The base search has not finished.", ""]
             continue
         lr, init = chosen[strategy]
-        lines += [f"Chosen at the base: lr {lr:g}, init_std {init:g}.", "", "At width 256:", ""]
+        edges = [f"{key} on its grid's edge" for key, value, grid in (("lr", lr, LRS), ("init_std", init, INIT_STDS))
+                 if value in (grid[0], grid[-1])]
+        edge = f" ({' and '.join(edges)}: a bound, not an optimum)" if edges else ""
+        lines += [f"Chosen at the base: lr {lr:g}, init_std {init:g}{edge}.", "", "At width 256:", ""]
         found = arms(runs, chosen, strategy)
         for name in ("standard", "mup", "mup_base_tuned"):
             losses = [found.get(name, {}).get(s) for s in SEEDS]
@@ -191,8 +196,8 @@ def section(runs: list[dict]) -> str:
             ci = _interval(diffs)
             if ci is not None:
                 short = "mup (init_std 0.02)" if name == "mup" else "mup (base-tuned)"
-                lines.append(f"- {short} minus standard: {statistics.fmean(diffs):+.3f} nats [{ci[0]:+.3f}, {ci[1]:+.3f}], "
-                             f"95% t interval paired over {len(diffs)} seeds")
+                lines.append(f"- {short} minus standard: {statistics.fmean(diffs):+.3f} nats "
+                             f"[{ci[0]:+.3f}, {ci[1]:+.3f}], 95% t interval paired over {len(diffs)} seeds")
         lines.append("")
     lines += ["Where this does not hold: one base width (32) and one target (256), 400 steps of 8 x 128 bytes, "
               "three seeds at the target, and the other base hyperparameters (the readout multiplier, the attention "
@@ -250,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                 return code
             if folder == "base":
                 chosen = choose(read_runs(out / "base_search"))
-                print("chosen at the base: " + ", ".join(f"{s} lr {lr:g} init_std {i:g}" for s, (lr, i) in chosen.items()),
-                      flush=True)
+                said = ", ".join(f"{s} lr {lr:g} init_std {i:g}" for s, (lr, i) in chosen.items())
+                print(f"chosen at the base: {said}", flush=True)
                 todo += target_sweeps(chosen)
             done += 1
     print(f"report: {write(out)}")

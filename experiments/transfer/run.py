@@ -295,15 +295,15 @@ def report(out: Path, target: Path = HERE / "TRANSFER.md") -> Path:
         wall = sum(w for w in walls if w)
         lines += ["", f"![loss against lr across {axis}](figures/transfer_{axis}.png)", "",
                   f"Wall time of this axis's sweeps on this machine: {wall / 60:.0f} min.", ""]
-    kept_answers = [line for line in old_answers for axis in kept
-                    if line.startswith(f"- Across {axis},") or axis == "depth" and line.startswith("- Does Block")]
-    if found or kept_answers:
+    def kept_answers(axis: str) -> list[str]:
+        return [line for line in old_answers if axis in kept and (
+            line.startswith(f"- Across {axis},") or axis == "depth" and line.startswith("- Does Block"))]
+
+    said = [line for axis in AXES for line in (answers({axis: found[axis]}) if axis in found else kept_answers(axis))]
+    if said:
         lines += ["## Answers", "", "A grid step is a factor of 2 in lr. An optimum on its grid's edge, after the "
                   "grid grew by up to 3 points there, is a bound rather than a value, and the move it enters is "
-                  "marked.", "", *[line for axis in AXES for line in (
-                      answers({axis: found[axis]}) if axis in found else
-                      [a for a in kept_answers if a.startswith(f"- Across {axis},") or
-                       axis == "depth" and a.startswith("- Does Block")])], ""]
+                  "marked.", "", *said, ""]
     lines += ["Where this does not hold: one token budget for every size (not compute-optimal), 400 steps of "
               "8 x 128 bytes, byte-level stdlib, two tuning seeds per point (the noise between them is in the "
               "dots), the lr alone searched (warm-up, weight decay and the pseudo-queries' lr scale fixed), and sizes "
