@@ -8,7 +8,7 @@ init *constant*, while standard's fixed 0.02 (GPT-2's, chosen at width 768) grow
 1 / sqrt(width) as the width grows. The muP authors tune the init at the base along with the lr
 (Tensor Programs V, 2022); the study tuned the lr alone. This measures what that costs:
 
-    python experiments/transfer/base_search.py                # resumable (resume=true), about 30 min on 2 cores
+    python experiments/transfer/base_search.py                # resumable (resume=true), about 45 min on 2 cores
     python experiments/transfer/base_search.py --report-only  # its section of TRANSFER.md from the runs so far
 
 1. **Base search** (runs/base_search/base): at the base (width 32, where mup and standard are the
@@ -200,8 +200,9 @@ def section(runs: list[dict]) -> str:
                              f"[{ci[0]:+.3f}, {ci[1]:+.3f}], 95% t interval paired over {len(diffs)} seeds")
         lines.append("")
     lines += ["Where this does not hold: one base width (32) and one target (256), 400 steps of 8 x 128 bytes, "
-              "three seeds at the target, and the other base hyperparameters (the readout multiplier, the attention "
-              "scale, warm-up) left at their defaults.", END]
+              "three seeds at the target; standard's init_std was not searched at width 256 (its lr alone was), so "
+              "the base-tuned mup arm had one knob more searched than standard; and the other base hyperparameters "
+              "(the readout multiplier, the attention scale, warm-up) were left at their defaults.", END]
     return "\n".join(lines)
 
 

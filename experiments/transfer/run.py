@@ -15,6 +15,7 @@ the smallest size is the base (model.base_width=32, model.base_depth=4). Each ar
 runs/state.json. The report (`report`, below) writes TRANSFER.md beside this file and
 figures/transfer_<axis>.png: loss against lr, a curve per size, a panel per strategy and
 parametrization; and, per setting, the optimum at each size and how many grid steps it moved.
+base_search.py (beside this file) measures what mup carries from the base besides the lr: the init.
 """
 
 from __future__ import annotations
