@@ -23,15 +23,18 @@ from omegaconf.errors import OmegaConfBaseException
 from attnres.config.command import check_command_line
 from attnres.config.errors import ConfigError, user_errors
 from attnres.config.selectors import explain
-from attnres.sweep import job, plan
-from attnres.training.report import run_outcome
-from attnres.training.run import train
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    # torch and Lightning are imported here, for a run, not on import: `--cfg job` needs neither
+    from attnres.sweep import job
+    from attnres.tasks import main as tasks
+    from attnres.training.report import run_outcome
+    from attnres.training.run import train
+
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     choices = hydra_cfg.runtime.choices
@@ -41,7 +44,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         job.run_isolated(cfg, run_dir, info)  # a fresh process on a claimed device; never raises
         return
     with user_errors(), run_outcome(run_dir):
-        train(cfg, run_dir, info)
+        train(cfg, run_dir, info, tasks)  # eval.tasks at its end (the tasks sit above training)
 
 
 def job_config(overrides: list[str]) -> str:
@@ -83,6 +86,8 @@ def main(checked: bool = False) -> None:
             print(job_config(sys.argv[3:]), end="")
         return
     _hydra_main()
+    from attnres.sweep import plan
+
     sys.exit(plan.exit_status())  # non-zero when a sweep just ran and some of its jobs did not finish
 
 

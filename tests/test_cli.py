@@ -63,6 +63,18 @@ def test_a_mistaken_command_is_answered_before_torch_is_imported(tmp_path, args)
     assert probe.stdout.strip() == "NO TORCH"
 
 
+@pytest.mark.parametrize("args", [["--cfg", "job"], ["--cfg", "job", "residual=block", "num_blocks=4"]])
+def test_cfg_job_prints_the_config_without_torch(tmp_path, args):
+    """Issue "The first hour, round two", item 4: `--cfg job`, which the typo answer sends users to,
+    imported Lightning through the run's report (22-25 s under load against the typo answer's 2.3 s)."""
+    probe = subprocess.run([sys.executable, "-c", "import atexit, sys; atexit.register(lambda: print('TORCH' if "
+                            "'torch' in sys.modules else 'NO TORCH')); sys.argv = ['attnres-run', *sys.argv[1:]];"
+                            "from attnres._entry import main; main()", *args],
+                           capture_output=True, text=True, cwd=tmp_path, env=cli_env())
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert "max_steps:" in probe.stdout and probe.stdout.strip().endswith("NO TORCH"), probe.stdout[-500:]
+
+
 def test_python_dash_m_attnres_is_attnres_run(monkeypatch, capsys):
     """`python -m attnres` (attnres/__main__.py) runs the entry point (attnres/_entry.py), in-process."""
     import runpy
