@@ -322,9 +322,18 @@ def kimi_names(num_layers: int, prefix: str = "model.") -> list[tuple[str, str]]
     return names
 
 
+def _is_attn_res_key(key: str) -> bool:
+    return key.endswith(("_res_proj.weight", "_res_norm.weight"))
+
+
 def kimi_num_layers(state_dict: Mapping[str, Tensor]) -> tuple[int, int]:
     """(sublayers L, width D) of the AttnRes tensors of a K3-format state dict."""
     prefix = kimi_prefix(state_dict)
+    # a dict with "language_model." on some layers only would otherwise read as missing layers
+    stray = sorted(k for k in state_dict if _is_attn_res_key(k) and not k.startswith(prefix))
+    if stray:
+        raise ValueError(f"the K3 state dict's AttnRes keys do not all carry the prefix '{prefix}' (its output's): "
+                         f"{len(stray)} do not, e.g. {stray[0]}; rename them to one prefix")
     layers = {int(k[len(prefix) + 7:].split(".", 1)[0]) for k in state_dict
               if k.startswith(prefix + "layers.") and k.endswith("_res_proj.weight")}
     if layers != set(range(len(layers))):
@@ -344,7 +353,8 @@ def _check(residual: BlockAttentionResidual) -> None:
 def load_kimi_attn_res(residual: BlockAttentionResidual, state_dict: Mapping[str, Tensor]) -> list[str]:
     """Copy a K3-format state dict's AttnRes tensors into `residual`'s `pseudo_query` and
     `key_norm_weight` rows (cast to their dtype). All 2 (L + 1) tensors must be there with the
-    right shapes, and the state dict must have exactly L / 2 layers of them. Returns the keys read."""
+    right shapes and finite, under one prefix, and the state dict must have exactly L / 2 layers of them;
+    each is checked before any row is copied. Returns the keys read."""
     _check(residual)
     L, D = residual.num_layers, residual.d_model
     layers, width = kimi_num_layers(state_dict)
@@ -355,10 +365,14 @@ def load_kimi_attn_res(residual: BlockAttentionResidual, state_dict: Mapping[str
     missing = [k for pair in names for k in pair if k not in state_dict]
     if missing:
         raise KeyError(f"the K3 state dict lacks {len(missing)} AttnRes tensors, e.g. {missing[0]}")
-    for row, (proj, norm) in enumerate(names):
+    # every tensor checked before the first row is copied: a refusal leaves the strategy as it was
+    for proj, norm in names:
         for key, shape in ((proj, (1, D)), (norm, (D,))):
             if tuple(state_dict[key].shape) != shape:
                 raise ValueError(f"{key} has shape {tuple(state_dict[key].shape)}, expected {shape}")
+            if not torch.isfinite(state_dict[key]).all():
+                raise ValueError(f"{key} holds NaN or infinite values; the state dict is damaged")
+    for row, (proj, norm) in enumerate(names):
         residual.pseudo_query[row].copy_(state_dict[proj][0])
         residual.key_norm_weight[row].copy_(state_dict[norm])
     return [k for pair in names for k in pair]

@@ -232,3 +232,27 @@ def test_a_state_dict_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="key_norm_gain=True"):
         load_kimi_attn_res(k3_residual(3, 2, 16, key_norm_gain=False), sd)
     assert kimi_names(2)[-1] == ("model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight")
+
+
+def test_a_bad_tensor_is_refused_before_any_row_is_copied():
+    """One wrong shape (the last site's) or one NaN leaves every row as it was, and the error names the key."""
+    sd = k3_state_dict(3, 16)
+    for key, bad in (("model.output_attn_res_norm.weight", torch.ones(15).bfloat16()),
+                     ("model.layers.2.mlp_res_proj.weight", torch.full((1, 16), float("nan")).bfloat16())):
+        residual = k3_residual(3, 2, 16)
+        randomise(residual)
+        before = (residual.pseudo_query.clone(), residual.key_norm_weight.clone())
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            load_kimi_attn_res(residual, {**sd, key: bad})
+        assert torch.equal(residual.pseudo_query, before[0]) and torch.equal(residual.key_norm_weight, before[1])
+
+
+def test_a_prefix_on_some_layers_only_is_named():
+    sd = k3_state_dict(3, 16)
+    mixed = {("language_model." + k if ".layers.1." in k else k): v for k, v in sd.items()}
+    with pytest.raises(ValueError, match=r"prefix 'model\.'.*language_model\.model\.layers\.1\."):
+        load_kimi_attn_res(k3_residual(3, 2, 16), mixed)
+    # the other way round: the output under language_model., layer 2 not
+    other = {("language_model." + k if ".layers.2." not in k else k): v for k, v in sd.items()}
+    with pytest.raises(ValueError, match=r"prefix 'language_model\.model\.'.*model\.layers\.2\."):
+        load_kimi_attn_res(k3_residual(3, 2, 16), other)
