@@ -34,11 +34,12 @@ def test_paired_t_interval_matches_the_hand_computed_one():
     assert c.mean == pytest.approx(-0.02, abs=1e-12)
     assert c.ci == pytest.approx((-0.02 - half, -0.02 + half), abs=1e-9)
     assert (c.wins, c.losses) == (3, 0)
-    assert c.verdict == "no clear difference"  # the interval [-0.045, 0.005] spans 0
-    assert c.tokens_per_sec_ratio == pytest.approx((0.9 + 0.95 + 0.92) / 3)
+    # the interval [-0.045, 0.005] reaches past the margin (0.5% of 2.05) and across 0
+    assert c.margin == pytest.approx(0.005 * 2.05) and c.verdict == "not resolved"
+    assert c.tokens_per_sec_ratio == pytest.approx((0.9 * 0.95 * 0.92) ** (1 / 3))  # the geometric mean
     assert c.peak_memory_ratio == pytest.approx(1.2)
     line = c.sentence()
-    assert line.startswith("block N=4 vs standard: no clear difference, -0.0200 val/bpb [-0.0448, +0.0048]"), line
+    assert line.startswith("block N=4 vs standard: not resolved, -0.0200 val/bpb [-0.0448, +0.0048]"), line
     assert "3/3 seeds favour block N=4" in line and "lower is better" in line and "0.92x tokens/s" in line
 
 
@@ -55,7 +56,7 @@ def test_the_tokens_per_sec_ratio_is_after_warm_up_and_absent_for_runs_too_short
     c = verdict.compare(short_cand, short, "val/bpb", "block", "standard")
     line = c.sentence()
     assert c.tokens_per_sec_ratio is None and "x tokens/s" not in line, line
-    assert line.endswith("; 1.20x peak memory, " + verdict.NO_TOKENS_PER_SEC), line
+    assert line.endswith("; 1.20x peak memory [1.20, 1.20], " + verdict.NO_TOKENS_PER_SEC), line
     assert c.columns()["tokens_per_sec_ratio"] is None
     mixed = verdict.compare([*cand[:2], short_cand[2]], base, "val/bpb", "block", "standard")
     assert mixed.tokens_per_sec_ratio == pytest.approx(0.8) and "leaves out 1 run(s) too short" in mixed.sentence()
@@ -66,18 +67,20 @@ def test_the_tokens_per_sec_ratio_is_after_warm_up_and_absent_for_runs_too_short
 def test_a_clear_difference_is_better_or_worse_by_the_metric_direction():
     base = [run(s, 2.0 + 0.1 * s) for s in range(3)]
     cand = [run(s, 2.0 + 0.1 * s - 0.05 - 0.001 * s) for s in range(3)]
-    assert verdict.compare(cand, base, "val/bpb", "a", "standard").verdict == "better"
+    assert verdict.compare(cand, base, "val/bpb", "a", "standard").verdict == "better by at least the margin"
     acc = [run(s, r["val/bpb"], metric="val/accuracy") for s, r in enumerate(base)]
     acc_cand = [run(s, r["val/bpb"], metric="val/accuracy") for s, r in enumerate(cand)]
     c = verdict.compare(acc_cand, acc, "val/accuracy", "a", "standard")
-    assert c.verdict == "worse" and (c.wins, c.losses) == (0, 3) and "higher is better" in c.sentence()
+    assert c.verdict == "worse by at least the margin" and (c.wins, c.losses) == (0, 3)
+    assert "higher is better" in c.sentence()
 
 
 def test_one_seed_gives_no_interval():
     c = verdict.compare([run(0, 1.9)], [run(0, 2.0)], "val/bpb", "full", "standard")
     assert c.method == "one pair" and c.ci is None and c.mean == pytest.approx(-0.1)
-    assert c.verdict == "no interval"
-    assert c.sentence().startswith("full vs standard: -0.1000 val/bpb on 1 seed (seed 0; lower is better): no interval")
+    assert c.verdict == "not resolved: 1 seed gives no interval"
+    assert c.sentence().startswith("full vs standard: not resolved: 1 seed gives no interval, -0.1000 val/bpb on seed 0 "
+                                   "(lower is better; margin 0.0100 = 0.5% of the baseline)"), c.sentence()
 
 
 def test_no_baseline_is_said():
@@ -212,5 +215,5 @@ def test_summarize_pairs_runs_of_several_sweeps(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("verdict: "))
     # the standard runs do not read num_blocks, so N is no part of their label
-    assert line.startswith("verdict: block N=4 vs standard: better, -0.0600 val/bpb"), line
+    assert line.startswith("verdict: block N=4 vs standard: better by at least the margin, -0.0600 val/bpb"), line
     assert "3/3 seeds favour block N=4" in line and (tmp_path / "both" / "summary.png").stat().st_size > 10_000

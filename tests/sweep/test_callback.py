@@ -36,7 +36,7 @@ def test_the_callback_locks_the_folder_then_writes_the_summary(tmp_path, capsys)
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"sweep: 6 jobs, 6 finished -> {sweep / 'summary.md'}", out[-3:]
     verdict = next(line for line in out if line.startswith("verdict: "))
-    assert verdict.startswith("verdict: block N=4 vs standard: better, -0.0600 val/bpb"), verdict
+    assert verdict.startswith("verdict: block N=4 vs standard: better by at least the margin, -0.0600 val/bpb"), verdict
     assert verdict.removeprefix("verdict: ") in (sweep / "summary.md").read_text()
     assert len((sweep / "summary.csv").read_text().splitlines()) == 7
     assert (sweep / "summary.png").stat().st_size > 10_000  # summary_figure.py: the differences drawn
