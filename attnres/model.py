@@ -249,7 +249,7 @@ class Transformer(nn.Module):
                     p.mul_(self.roles[name].init)
         if self.base_width != n_embd:
             self.output_scale = self.base_width / n_embd
-        branch = (self.base_depth / self.n_layer) ** self.depth_alpha
+        branch = param.branch_multiplier(self.n_layer, self.base_depth, self.depth_alpha)
         for sublayer in self.sublayers:
             if isinstance(sublayer, Attention) and self.base_width // heads != n_embd // n_head:
                 sublayer.scale = param.attention_scale(n_embd // n_head, self.base_width // heads)

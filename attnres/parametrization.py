@@ -77,6 +77,12 @@ def scaled(width: int | None, ratio: float) -> int | None:
     return None if width is None else max(1, round(width * ratio))
 
 
+def branch_multiplier(n_layer: float, base_depth: float, depth_alpha: float) -> float:
+    """CompleteP's residual-branch multiplier (base_depth / n_layer) ** depth_alpha: 1 at the base
+    depth; under "mup" on every sublayer output, and the rule of residual=depth_scaled's control."""
+    return (base_depth / n_layer) ** depth_alpha
+
+
 def attention_scale(head_dim: int, base_head_dim: int) -> float:
     """muP's attention logit scale: 1 / d_head (Tensor Programs V, section 4), equal to the standard
     1 / sqrt(d_head) at the base head size."""
