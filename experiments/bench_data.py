@@ -10,7 +10,7 @@
    16 x 1024, gpt-small's) in batches/s, against the model's optimiser steps/s at the same batch:
    the tiny model on this CPU, and gpt-small on a GPU when there is one. The loader must be faster
    than the step it feeds (ratio > 1) with `num_workers=0`; DataLoader workers multiply it.
-No assertions: numbers to read (tests/training/data/test_tokens.py and test_prepare.py hold the checks).
+No assertions: numbers to read (tests/data/test_tokens.py and test_prepare.py hold the checks).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from attnres.atomic import write_json
+from attnres.data.prepare import prepare
+from attnres.data.tokens import TokensDataModule
 from attnres.model import Transformer
-from attnres.training.data.prepare import prepare
-from attnres.training.data.tokens import TokensDataModule
 
 
 def bench_prepare(workdir: Path, max_files: int | None, vocab: int) -> dict:

@@ -173,7 +173,7 @@ FILE_COMMENT = re.compile(r"^#\s*([\w./-]+\.(?:py|ya?ml))\b")
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory):
     """The folder the docs' commands are checked from: a token folder, and the docs' example files."""
-    from attnres.training.data.prepare import main as prepare
+    from attnres.data.prepare import main as prepare
 
     folder = tmp_path_factory.mktemp("reader")
     corpus = folder / "corpus.txt"  # one file: its last 5% is the validation split

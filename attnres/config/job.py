@@ -312,12 +312,12 @@ def check_parts(cfg: DictConfig) -> None:
     from hydra.utils import instantiate
 
     cache = value_at(cfg, "data.cache_dir")
-    if isinstance(cache, str) and cache and target_of(cfg, "data").startswith("attnres.training.data."):
+    if isinstance(cache, str) and cache and target_of(cfg, "data").startswith("attnres.data."):
         check_creatable(Path(cache).expanduser(), "the data cache folder",
                         "set data.cache_dir=<a writable folder>, or data.cache_dir=null for ~/.cache/attnres")
     data_target = str(OmegaConf.select(cfg, "data._target_", default=""))
     path = OmegaConf.select(cfg, "data.path", default=None)
-    if data_target.startswith("attnres.training.data.") and not (path and os.path.isdir(str(path))):
+    if data_target.startswith("attnres.data.") and not (path and os.path.isdir(str(path))):
         _build("data", lambda: instantiate(cfg.data))
     if str(OmegaConf.select(cfg, "residual._target_", default="")).startswith("attnres.") and \
             isinstance(value_at(cfg, "model.n_embd"), int) and isinstance(value_at(cfg, "model.n_layer"), int):

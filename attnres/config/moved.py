@@ -1,4 +1,5 @@
-"""Names that moved when the runner was split by concern (config / training / sweep / results).
+"""Names that moved when the runner was split by concern (config / training / sweep / results), and
+when the data modules left training (attnres.training.data -> attnres.data).
 
 A run folder or a config folder of the user's, written before the move, names the old module
 paths in its `_target_`s (`attnres.training.run.StepProgressBar`). `update_moved_targets(cfg)`
@@ -24,6 +25,13 @@ MOVED = {
     "attnres.training.callbacks.RoutingProbes": "attnres.training.routing.RoutingProbes",
     "attnres.training.callbacks.HParamsSummary": "attnres.training.tensorboard.HParamsSummary",
     "attnres.training.callbacks.TensorBoardLogger": "attnres.training.tensorboard.TensorBoardLogger",
+    # the data modules left training for a room of their own (conf/data/*.yaml named the package's names)
+    **{f"attnres.training.data{module}.{name}": f"attnres.data{module}.{name}"
+       for module, names in {"": ("StdlibBytesDataModule", "TextBytesDataModule", "TokensDataModule",
+                                  "SyntheticDataModule", "BytesDataModule"),
+                             ".bytes": ("StdlibBytesDataModule", "TextBytesDataModule", "BytesDataModule"),
+                             ".tokens": ("TokensDataModule",), ".synthetic": ("SyntheticDataModule",)}.items()
+       for name in names},
 }
 
 

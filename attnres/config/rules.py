@@ -116,7 +116,7 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "eps": Rule("number", 0, open_low=True, example=1e-6), "key_norm_gain": BOOL, "output_aggregation": BOOL,
         "kernel": Rule("choice", choices=KERNELS),
     },
-    ("data", ("attnres.training.data.",)): {
+    ("data", ("attnres.data.",)): {
         "block_size": Rule("int", 1, example=128), "batch_size": Rule("int", 1, example=16),
         "num_workers": Rule("int", 0, example=0), "val_batches": Rule("int", 1, example=16),
         "val_fraction": Rule("number", 0, 1, open_low=True, open_high=True, example=0.05),

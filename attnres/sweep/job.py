@@ -63,6 +63,7 @@ def run_child_job(spec_path: Path) -> int:
     wrote; any failure is recorded in metrics.json (status "failed" and the error), not raised."""
     import torch  # here, as Lightning below: Hydra's workers import this module and need neither
 
+    from attnres.tasks import main as tasks
     from attnres.training.faults import RunEnded, RunRefused, secondary_rank
     from attnres.training.run import train
 
@@ -74,7 +75,7 @@ def run_child_job(spec_path: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     start = time.perf_counter()
     try:
-        train(OmegaConf.create(spec["config"]), run_dir, info)
+        train(OmegaConf.create(spec["config"]), run_dir, info, tasks)  # eval.tasks at each job's end
         return 0
     except RunEnded as err:  # interrupted, or stopped on a non-finite loss: metrics.json says so already
         print(f"attnres-run: {err}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""One run under Lightning: the module, data, callbacks, faults and checkpoints, the run's life
+"""One run under Lightning: the module, callbacks, faults and checkpoints, the run's life
 (`run.train`), its progress and report, eval and sample. `import attnres` does not load it."""
 
 from importlib import import_module

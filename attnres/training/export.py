@@ -140,8 +140,8 @@ def tokenizer_of(cfg: DictConfig, given: str | None) -> tuple[Any, str]:
         cls = locate(str(data.get("_target_")))
     except ValueError:
         cls = None
-    from attnres.training.data.bytes import BytesDataModule
-    from attnres.training.data.tokens import TokensDataModule
+    from attnres.data.bytes import BytesDataModule
+    from attnres.data.tokens import TokensDataModule
 
     if isinstance(cls, type) and issubclass(cls, BytesDataModule):
         return byte_tokenizer(), "byte-level (token i = byte i of UTF-8 text)"

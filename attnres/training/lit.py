@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import exact_match
+from attnres.data import exact_match
 from attnres.training.faults import NonFiniteLoss, at_last_step
 from attnres.training.optimizers import parameter_groups  # noqa: F401 (lit.parameter_groups, as before)
 

@@ -57,7 +57,6 @@ from attnres.training.report import (
     share_log_file,
     write_summary,
 )
-from attnres.training.tasks.main import after_training, prepare
 from attnres.training.trackers import finish_trackers, make_loggers
 
 log = logging.getLogger("attnres")
@@ -105,8 +104,21 @@ def check_nodes(cfg: DictConfig) -> None:
                           "(experiment=paper_*: gpus_per_job=<the GPUs here>)")
 
 
-def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
-    """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json."""
+def end_tasks(tasks: Any, cfg: DictConfig, datamodule: Any) -> Any:
+    """`eval.tasks`, checked before training by `tasks.prepare`; without `tasks` a config that names
+    some is refused (a caller of `train` that runs no tasks must not drop them silently)."""
+    if tasks is not None:
+        return tasks.prepare(cfg, datamodule)
+    if (cfg.get("eval") or {}).get("tasks"):
+        raise ConfigError("eval.tasks is set but this caller of train() runs no tasks; pass tasks=attnres.tasks.main")
+    return None
+
+
+def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = None) -> dict:
+    """One run into `run_dir`; `cfg` is the composed config, `info` goes into metrics.json. `tasks`
+    runs `eval.tasks` at the end (its `prepare` before training, `after_training` after): the caller
+    passes `attnres.tasks.main`, which sits above training (it evaluates finished runs), so training
+    cannot import it."""
     with read_write(cfg):
         update_moved_targets(cfg)  # a config written before the runner was split names old paths
     validate_config(cfg)
@@ -131,7 +143,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
         datamodule = instantiate(cfg.data)
-        tasks = prepare(cfg, datamodule)  # eval.tasks: lm-eval installed and every task's data local, or refused now
+        prepared = end_tasks(tasks, cfg, datamodule)  # lm-eval installed and every task's data local, or refused now
         model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, residual=instantiate(cfg.residual))
         module = LitLanguageModel(
             model,
@@ -185,8 +197,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any]) -> dict:
             return {}
         summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
         report(end_block(summary, run_dir, events_dir(trainer)))
-        for line in after_training(tasks, cfg, run_dir, trainer, summary):  # into metrics.json, the loggers
-            report(line)
+        for line in tasks.after_training(prepared, cfg, run_dir, trainer, summary) if tasks else ():
+            report(line)  # into metrics.json and the loggers, then said
         for line in finish_trackers(trainer.loggers, summary):  # their final numbers, then each run ends
             report(line)
         return summary

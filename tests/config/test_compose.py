@@ -60,7 +60,7 @@ def test_option_composes_and_instantiates(composed, tmp_path, group, option):
     if "path" in cfg.data:
         cfg.data.path = str(text)
     if group == "data" and option == "tokens":  # a folder of token files
-        from attnres.training.data.tokens import write_shard
+        from attnres.data.tokens import write_shard
 
         for split in ("train", "val"):
             write_shard(tmp_path / f"{split}.bin", np.arange(1000, dtype=np.uint16) % 300)

@@ -100,7 +100,7 @@ def test_eval_and_sample_read_an_exported_folder(runs, tmp_path):
 
 
 def test_a_bpe_run_ships_its_tokenizer(tmp_path):
-    from attnres.training.data import prepare
+    from attnres.data import prepare
 
     src = tmp_path / "src"
     src.mkdir()

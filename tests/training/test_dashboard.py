@@ -14,10 +14,10 @@ import pytorch_lightning as pl
 import torch
 
 from attnres import BlockAttentionResidual, Transformer
+from attnres.data import SyntheticDataModule
 from attnres.results import figures
 from attnres.training import LitLanguageModel
 from attnres.training.dashboard import DepthDashboard
-from attnres.training.data import SyntheticDataModule
 from tests.helpers import RUN_N_LAYER as N_LAYER
 from tests.helpers import RUN_NUM_BLOCKS as N
 from tests.helpers import tensor_array as _array

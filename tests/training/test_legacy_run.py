@@ -39,9 +39,12 @@ def test_its_saved_config_names_old_paths_that_all_resolve_after_the_update():
     assert any(t.get("_target_") in MOVED for t in targets), "the fixture no longer names an old path"
     changed = update_moved_targets(cfg)
     assert "callbacks.progress_bar._target_" in changed and "logger.tensorboard._target_" in changed
+    assert "data._target_" in changed  # attnres.training.data left training for attnres.data
     for section in ("callbacks", "logger"):
         for node in cfg[section].values():
             get_class(node._target_)  # raises if a target still names a module that is gone
+    assert cfg.data._target_ == "attnres.data.SyntheticDataModule"
+    get_class(cfg.data._target_)
     assert update_moved_targets(cfg) == []  # nothing left to rewrite
 
 

@@ -20,8 +20,8 @@ from tests.helpers import RUN_STEPS, copy_run, run_script
 def test_callback_probes_at_the_end_of_training(tmp_path, enabled):
     import pytorch_lightning as pl
 
+    from attnres.data import SyntheticDataModule
     from attnres.training import LitLanguageModel
-    from attnres.training.data import SyntheticDataModule
     from attnres.training.routing import RoutingProbes
     from attnres.training.tensorboard import TensorBoardLogger
 

@@ -12,9 +12,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from attnres.data import SyntheticDataModule
 from attnres.model import Transformer
 from attnres.training import lit
-from attnres.training.data import SyntheticDataModule
 from attnres.training.report import throughput
 
 BATCH, LENGTH = 4, 40  # the synthetic module's sequence: 40 tokens

@@ -1,4 +1,4 @@
-"""Synthetic pointer chasing (attnres/training/data/synthetic.py): every answer follows from the
+"""Synthetic pointer chasing (attnres/data/synthetic.py): every answer follows from the
 inputs, no answer leaks into them, errors name the fix, and exact match counts whole answers."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import SyntheticDataModule, exact_match
-from tests.training.data.conftest import synthetic_module
+from attnres.data import SyntheticDataModule, exact_match
+from tests.data.conftest import synthetic_module
 
 
 def follow_chains(inputs: list[int], dm: SyntheticDataModule) -> list[int]:

@@ -12,10 +12,10 @@ import pytorch_lightning as pl
 import torch
 
 from attnres.config.errors import ConfigError
-from attnres.training.data.tokens import HEADER_BYTES, TokensDataModule, token_byte_lengths, write_shard
+from attnres.data.tokens import HEADER_BYTES, TokensDataModule, token_byte_lengths, write_shard
 from attnres.training.lit import LitLanguageModel
+from tests.data.conftest import fit_recording
 from tests.helpers import TINY_MODEL, run_cli
-from tests.training.data.conftest import fit_recording
 
 
 def make_folder(root: Path, dtype=np.uint16, headered=True, vocab=1000, shards=(3000, 2000), val=1500,
@@ -263,7 +263,7 @@ def test_without_a_tokenizer_only_loss_is_reported(tmp_path):
 # -- end to end: attnres-prepare, attnres-run data=tokens, mode=eval, mode=sample ---------------------
 @pytest.mark.slow
 def test_prepare_train_eval_sample_through_the_cli(tmp_path):
-    from attnres.training.data import prepare
+    from attnres.data import prepare
 
     src = tmp_path / "src"
     src.mkdir()

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError
-from attnres.training.tasks import lmeval, local, paper
+from attnres.tasks import lmeval, local, paper
 
 PROG = "attnres-tasks"
 DEFAULTS = {"tasks": [], "limit": None, "num_fewshot": None, "batch_size": 16, "offline": True, "num_docs": 500,

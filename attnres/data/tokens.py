@@ -34,9 +34,9 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import corpus
-from attnres.training.data.common import TRAIN_STREAM, StreamDataModule, sample_rng
-from attnres.training.data.shards import (  # noqa: F401 (write_shard, shard_header: the public names stay here too)
+from attnres.data import corpus
+from attnres.data.common import TRAIN_STREAM, StreamDataModule, sample_rng
+from attnres.data.shards import (  # noqa: F401 (write_shard, shard_header: the public names stay here too)
     DTYPES,
     HEADER_BYTES,
     HEADER_INTS,

@@ -14,11 +14,11 @@ import torch
 
 pytest.importorskip("lm_eval", reason="needs the eval extra: pip install 'attnres[eval]'")
 
+from attnres.data import TextBytesDataModule  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM  # noqa: E402
 from attnres.hf.tokenization import BYTE_PREFIX, byte_tokenizer, hf_tokenizer  # noqa: E402
-from attnres.training.data import TextBytesDataModule  # noqa: E402
+from attnres.tasks import lmeval, local  # noqa: E402
 from attnres.training.lit import LitLanguageModel  # noqa: E402
-from attnres.training.tasks import lmeval, local  # noqa: E402
 
 T, WINDOWS = 32, 12
 SHAPE = {"vocab_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": T}

@@ -1,4 +1,4 @@
-"""Byte corpora (attnres/training/data/corpus.py): the split by path hash, the cache built
+"""Byte corpora (attnres/data/corpus.py): the split by path hash, the cache built
 atomically and reused, an interrupted or killed build leaving nothing stale, and corpus errors."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 import pytest
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import corpus
-from attnres.training.data.corpus import in_validation
-from tests.training.data.conftest import make_corpus, text_module
+from attnres.data import corpus
+from attnres.data.corpus import in_validation
+from tests.data.conftest import make_corpus, text_module
 
 
 def test_split_by_path_hash_is_stable_and_complete(corpus_dir, tmp_path):

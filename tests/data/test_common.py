@@ -1,4 +1,4 @@
-"""The contract every data module keeps (attnres/training/data/common.py), on the byte-level and the
+"""The contract every data module keeps (attnres/data/common.py), on the byte-level and the
 synthetic modules: attributes right after init, batches by seed, resume at the global sample, one
 stream whatever the workers or ranks, a fixed and bounded validation set."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.training.data.conftest import batches, fit_recording, same, synthetic_module, text_module
+from tests.data.conftest import batches, fit_recording, same, synthetic_module, text_module
 
 
 @pytest.mark.parametrize("kind", ["text", "synthetic"])

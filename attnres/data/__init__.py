@@ -5,12 +5,12 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "BytesDataModule": "attnres.training.data.bytes",
-    "StdlibBytesDataModule": "attnres.training.data.bytes",
-    "TextBytesDataModule": "attnres.training.data.bytes",
-    "SyntheticDataModule": "attnres.training.data.synthetic",
-    "exact_match": "attnres.training.data.synthetic",
-    "TokensDataModule": "attnres.training.data.tokens",
+    "BytesDataModule": "attnres.data.bytes",
+    "StdlibBytesDataModule": "attnres.data.bytes",
+    "TextBytesDataModule": "attnres.data.bytes",
+    "SyntheticDataModule": "attnres.data.synthetic",
+    "exact_match": "attnres.data.synthetic",
+    "TokensDataModule": "attnres.data.tokens",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -19,4 +19,4 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'attnres.training.data' has no attribute {name!r}")
+    raise AttributeError(f"module 'attnres.data' has no attribute {name!r}")

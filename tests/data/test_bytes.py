@@ -1,4 +1,4 @@
-"""Byte-level language modelling (attnres/training/data/bytes.py): targets are the inputs shifted by
+"""Byte-level language modelling (attnres/data/bytes.py): targets are the inputs shifted by
 one, single files split by position, globs and non-UTF-8 files, the unigram baseline, path errors,
 and the stdlib corpus."""
 
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import (
+from attnres.data import (
     StdlibBytesDataModule,
     TextBytesDataModule,
 )
-from tests.training.data.conftest import batches, text_module
+from tests.data.conftest import batches, text_module
 
 
 # -- byte-level LM -------------------------------------------------------------------------------

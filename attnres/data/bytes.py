@@ -19,8 +19,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import corpus
-from attnres.training.data.common import TRAIN_STREAM, StreamDataModule, sample_rng
+from attnres.data import corpus
+from attnres.data.common import TRAIN_STREAM, StreamDataModule, sample_rng
 
 
 class _Bytes:

@@ -51,8 +51,8 @@ from pathlib import Path
 import numpy as np
 
 from attnres.config.errors import ConfigError
-from attnres.training.data.shards import HEADER_BYTES, shard_header
-from attnres.training.data.sources import Task, documents, list_source, make_tasks
+from attnres.data.shards import HEADER_BYTES, shard_header
+from attnres.data.sources import Task, documents, list_source, make_tasks
 
 log = logging.getLogger("attnres.prepare")
 

@@ -11,7 +11,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from attnres.training.data import SyntheticDataModule, TextBytesDataModule
+from attnres.data import SyntheticDataModule, TextBytesDataModule
 
 
 def make_corpus(root: Path, n: int = 40, size: int = 300, first: int = 0) -> Path:

@@ -24,7 +24,7 @@ import numpy as np
 
 from attnres.atomic import atomic_write
 from attnres.config.errors import ConfigError
-from attnres.training.data import corpus
+from attnres.data import corpus
 
 OWN_TASKS = ("attnres_pointer", "attnres_next_line", "attnres_bpb")
 TASK_STREAM = 2  # data.common: 0 trains, 1 validates; this one is neither

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import corpus
+from attnres.data import corpus
 
 log = logging.getLogger("attnres.prepare")
 

@@ -1,6 +1,6 @@
 """Downstream tasks (eval.tasks, attnres-tasks): attnres's own task data, the refusals (no lm-eval,
 data not local: one line, exit 2, before any model work), and a tiny sweep's verdict on a task.
-The bits-per-byte cross-check with the runner is tests/training/test_tasks_bpb.py."""
+The bits-per-byte cross-check with the runner is tests/tasks/test_tasks_bpb.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import SyntheticDataModule
-from attnres.training.data.common import TRAIN_STREAM
-from attnres.training.tasks import lmeval, local, main, paper
+from attnres.data import SyntheticDataModule
+from attnres.data.common import TRAIN_STREAM
+from attnres.tasks import lmeval, local, main, paper
 from tests import helpers
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # nothing may reach the network in a test
@@ -81,6 +81,19 @@ def test_offline_is_the_default_and_the_users_own_setting_wins(monkeypatch):
     assert os.environ["HF_DATASETS_OFFLINE"] == "0"
 
 
+def test_a_run_gets_its_tasks_from_its_caller_and_without_them_refuses_a_config_that_names_some():
+    """The tasks sit above training (they evaluate finished runs): train() takes attnres.tasks.main
+    from cli.py and the sweep's jobs, and never drops eval.tasks when a caller passes none."""
+    from omegaconf import OmegaConf
+
+    from attnres.training.run import end_tasks
+
+    with_tasks, without = OmegaConf.create({"eval": {"tasks": ["attnres_bpb"]}}), OmegaConf.create({"eval": {}})
+    with pytest.raises(ConfigError, match="tasks=attnres.tasks.main"):
+        end_tasks(None, with_tasks, None)
+    assert end_tasks(None, without, None) is None and end_tasks(main, without, None) is None
+
+
 # -- the command line: refusals and a tiny sweep ---------------------------------------------------
 TINY = helpers.tiny(steps=3, val_every=3, progress_bar=False)
 
@@ -137,7 +150,7 @@ def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard
     assert run.returncode == 0, run.stderr[-3000:]
     folder = next((tmp_path / "outputs" / "bytes").iterdir())
     val_bpb = json.loads((folder / "metrics.json").read_text())["metrics"]["val/bpb"]
-    result = helpers.run_script("attnres/training/tasks/main.py", str(folder), "--tasks",
+    result = helpers.run_script("attnres/tasks/main.py", str(folder), "--tasks",
                                 "attnres_next_line,attnres_bpb", "--num-docs", "40", cwd=tmp_path, env=OFFLINE)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("tasks: lm-eval 0.4.") and "attnres_next_line/acc " in result.stdout
@@ -148,7 +161,7 @@ def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard
     # the held-out text after its first byte, read after "\n": the runner's val/bpb but for one byte's context
     assert abs(metrics["metrics"]["attnres_bpb/bits_per_byte"] - val_bpb) < 0.01
     assert list((folder / "tasks").glob("events.out.tfevents.*"))
-    again = helpers.run_script("attnres/training/tasks/main.py", str(folder), "--tasks", "nonexistent_task",
+    again = helpers.run_script("attnres/tasks/main.py", str(folder), "--tasks", "nonexistent_task",
                                cwd=tmp_path, env=OFFLINE)
     assert again.returncode == 2 and again.stderr.startswith("attnres-tasks: error: unknown task(s) nonexistent_task")
     assert len(again.stderr.strip().splitlines()) == 1, again.stderr
@@ -157,10 +170,10 @@ def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard
     export = helpers.run_script("attnres/training/export.py", str(folder), str(tmp_path / "hf"), cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     exported_files = list((tmp_path / "hf").iterdir())
-    own = helpers.run_script("attnres/training/tasks/main.py", str(tmp_path / "hf"), "--tasks", "attnres_bpb",
+    own = helpers.run_script("attnres/tasks/main.py", str(tmp_path / "hf"), "--tasks", "attnres_bpb",
                              cwd=tmp_path, env=OFFLINE)
     assert own.returncode == 2 and "need(s) the run's data" in own.stderr and len(own.stderr.splitlines()) == 1
-    given = helpers.run_script("attnres/training/tasks/main.py", str(tmp_path / "hf"), "--tasks", "attnres_bpb",
+    given = helpers.run_script("attnres/tasks/main.py", str(tmp_path / "hf"), "--tasks", "attnres_bpb",
                                "--include-path", bpb_folder, cwd=tmp_path, env=OFFLINE)
     assert given.returncode == 0, given.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(p.name for p in exported_files)  # untouched

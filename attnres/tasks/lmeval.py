@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from attnres.config.errors import ConfigError
-from attnres.training.tasks import local, paper
+from attnres.tasks import local, paper
 
 EXTRA = "pip install 'attnres[eval]'"
 OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")

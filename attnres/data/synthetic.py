@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from attnres.config.errors import ConfigError
-from attnres.training.data.common import TRAIN_STREAM, VAL_STREAM, StreamDataModule, sample_rng
+from attnres.data.common import TRAIN_STREAM, VAL_STREAM, StreamDataModule, sample_rng
 
 IGNORE = -100
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from attnres.config.errors import ConfigError
-from attnres.training.data import prepare as prep
-from attnres.training.data import sources
-from attnres.training.data.corpus import stat_file
-from attnres.training.data.tokens import TokensDataModule, open_shard
+from attnres.data import prepare as prep
+from attnres.data import sources
+from attnres.data.corpus import stat_file
+from attnres.data.tokens import TokensDataModule, open_shard
 from tests.helpers import cli_env, run_cli
 
 WORDS = "attention residual block depth query softmax layer token stream café über naïve".split()
@@ -53,7 +53,7 @@ def test_prepare_writes_what_data_tokens_reads(tmp_path):
     # the validation tokens decode to the validation files (split as the byte corpus splits them), joined by EOT
     from tokenizers import Tokenizer
 
-    from attnres.training.data.corpus import in_validation
+    from attnres.data.corpus import in_validation
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     val_files = [p for p in sorted(src.glob("doc*.txt")) if in_validation(p.name, 0.3)]
@@ -185,7 +185,7 @@ def test_a_dying_worker_stops_the_run_with_an_error(tmp_path):
 def test_command_line_exit_status(tmp_path):
     src = corpus(tmp_path / "src")
     env = cli_env()
-    cmd = [sys.executable, "-m", "attnres.training.data.prepare", str(src), str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "attnres.data.prepare", str(src), str(tmp_path / "out")]
     bad = subprocess.run(cmd + ["--tokenizer", str(tmp_path / "missing.json")], capture_output=True, text=True,
                          env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "missing.json" in bad.stderr
@@ -249,7 +249,7 @@ def test_a_killed_prepare_leaves_no_worker_and_the_next_run_no_hidden_folder(tmp
         text = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(20000))
         (src / f"f{i}.py").write_text(text)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "attnres.training.data.prepare", str(src), str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "attnres.data.prepare", str(src), str(out),
                              "--vocab-size", "300", "--workers", "2"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
@@ -278,7 +278,7 @@ def test_a_killed_prepare_leaves_no_worker_and_the_next_run_no_hidden_folder(tmp
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(), f"workers outlived the killed attnres-prepare: {alive()}"
-    from attnres.training.data.prepare import remove_stale
+    from attnres.data.prepare import remove_stale
 
     remove_stale(out)  # what the next run into `out` does first
     assert not list(out.glob(".prepare-*.tmp"))
