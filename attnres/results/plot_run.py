@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="draw the last logged step at or before this one")
     args = parser.parse_args(argv)
     root: Path = args.folder
-    runs = find_runs(root) if root.is_dir() else []
+    if not root.is_dir():
+        print(f"{parser.prog}: error: no such folder: {root.resolve()} (give a run folder, or a sweep folder "
+              "holding run folders: the path the end of the run printed)", file=sys.stderr)
+        return 2
+    runs = find_runs(root)
     if not runs:
         print(f"{parser.prog}: error: no TensorBoard event files under {root} "
               f"(expected {root}/{EVENTS} or {root}/<run>/{EVENTS})", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator
@@ -108,31 +109,45 @@ def _duration(seconds: float) -> str:
     return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{seconds:.1f} s"
 
 
-def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None) -> str:
-    """What a run tells the user when it ends: the numbers of metrics.json and where things are."""
+def end_block(summary: dict[str, Any], run_dir: Path, events_dir: Path | None, figures: bool = True) -> str:
+    """What a run tells the user when it ends: the numbers of metrics.json and where things are, as
+    absolute paths (its commands are pasted in other folders too); `figures`: the run logged the
+    depth dashboard's data, which `attnres-plot` draws."""
     metrics = summary.get("metrics", {})
     shown = [f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/") and isinstance(v, float)]
-    where = os.path.relpath(run_dir) if not os.path.relpath(run_dir).startswith("..") else str(run_dir)
+    where = shlex.quote(str(Path(run_dir).resolve()))
     peak = summary.get("peak_memory_bytes")
     speed, steady = summary.get("tokens_per_sec"), summary.get("tokens_per_sec_after_warmup")
     validated = summary.get("validation_step")
     if shown and validated is not None and validated != summary.get("steps"):
         shown[-1] += f" (its last validation, at step {validated})"
+    limit = summary.get("stopped_by")
+    ended = f" (trainer.max_time={summary.get('max_time')} ended it at step {summary['steps']})" \
+        if limit == "trainer.max_time" else ""
     lines = [
-        f"{summary['status']} in {_duration(summary['wall_time_s'])}: " + (", ".join(shown) or "no validation"),
+        f"{summary['status']} in {_duration(summary['wall_time_s'])}{ended}: " + (", ".join(shown) or "no validation"),
         f"  steps {summary['steps']}, tokens seen {_human(summary['tokens_seen'])}"
-        + (f", {_human(speed)} tokens/s" if speed else "") + (f" ({_human(steady)} after warm-up)" if steady else "")
+        + (f", {speed:,.0f} tokens/s" if speed else "") + (f" ({steady:,.0f} after warm-up)" if steady else "")
         + (f", peak memory {peak / 2**20:,.0f} MiB" if peak else ""),
         f"  run folder   {where}",
     ]
     ckpts = [p.name for p in (run_dir / "checkpoints").glob("*.ckpt")] if (run_dir / "checkpoints").is_dir() else []
     if ckpts:
-        lines.append(f"  checkpoints  {where}/checkpoints/ ({', '.join(sorted(ckpts))})")
-    lines.append(f"  metrics      {where}/metrics.json")
+        lines.append(f"  checkpoints  {shlex.quote(str(Path(run_dir).resolve() / 'checkpoints') + '/')} "
+                     f"({', '.join(sorted(ckpts))})")
+    lines.append(f"  metrics      {shlex.quote(str(Path(run_dir).resolve() / 'metrics.json'))}")
     if events_dir is not None:
         lines.append(f"  TensorBoard  tensorboard --logdir {where}")
-        lines.append(f"  figures      attnres-plot {where}")
+        if figures:
+            lines.append(f"  figures      attnres-plot {where}")
     return "\n".join(lines)
+
+
+def logs_figures(trainer: pl.Trainer) -> bool:
+    """Whether the run logs the depth dashboard's data (`~callbacks.depth_dashboard` turns it off)."""
+    from attnres.training.dashboard import DepthDashboard
+
+    return any(isinstance(c, DepthDashboard) for c in trainer.callbacks)
 
 
 def events_dir(trainer: pl.Trainer) -> Path | None:
@@ -183,7 +198,7 @@ def end_interrupted(err: BaseException, stop: Any, trainer: pl.Trainer, module: 
     if trainer.is_global_zero:
         summary = write_summary(run_dir, trainer, module, elapsed_s, {**info, "interrupted_by": sig.name},
                                 status="interrupted")
-        report(end_block(summary, run_dir, events_dir(trainer)))  # where everything is; then how to go on
+        report(end_block(summary, run_dir, events_dir(trainer), logs_figures(trainer)))  # where it is; how to go on
     return RunEnded(f"interrupted by {sig.name} at step {trainer.global_step}; saved {last}; "
                     "continue with the same command and resume=true", stop.exit_code)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, read_write
-from pytorch_lightning.callbacks import ProgressBar
+from pytorch_lightning.callbacks import ProgressBar, Timer
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from attnres.atomic import read_json
@@ -52,6 +53,7 @@ from attnres.training.report import (
     end_interrupted,
     end_nonfinite,
     events_dir,
+    logs_figures,
     mark_running,
     report,
     share_log_file,
@@ -80,18 +82,54 @@ _QUIET = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.f
 logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: not str(r.msg).startswith(_QUIET))
 
 
-def finished_already(run_dir: Path, ckpt: str, max_steps: Any) -> dict | None:
-    """`resume=true` on a run that finished at its `max_steps`: nothing to train, and its checkpoint
-    and metrics.json stay as they are (a resume would rewrite them without the training figures).
-    Returns its metrics after saying so; None when there is more to train."""
+def finished_already(run_dir: Path, ckpt: str, max_steps: Any, max_time: Any = None) -> dict | None:
+    """`resume=true` on a run that finished at its `max_steps`, or at a `max_time` no larger than the
+    one it is given now: nothing to train, and its checkpoint and metrics.json stay as they are (a
+    resume would rewrite them without the training figures). Returns its metrics after saying so;
+    None when there is more to train."""
     summary = read_json(run_dir / "metrics.json")
     step = checkpoint_step(ckpt)
-    if summary.get("status") != "finished" or not isinstance(max_steps, int) or max_steps < 1 or step is None \
-            or step < max_steps:
+    if summary.get("status") != "finished" or not isinstance(max_steps, int) or max_steps < 1 or step is None:
         return None
+    if step < max_steps:
+        limit, before = time_limit_s(max_time), time_limit_s(summary.get("max_time"))
+        if summary.get("stopped_by") != "trainer.max_time" or limit is None or before is None or limit > before:
+            return None
+        report(f"{run_dir} holds a run that trainer.max_time={max_time} ended (step {step} of {max_steps}): "
+               f"nothing to do; its metrics are in {run_dir / 'metrics.json'} (a larger trainer.max_time, or none, "
+               "continues it)")
+        return summary
     report(f"{run_dir} holds a finished run (step {step} of {max_steps}): nothing to do; its metrics are in "
            f"{run_dir / 'metrics.json'} (a larger trainer.max_steps continues it)")
     return summary
+
+
+MAX_TIME = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
+
+
+def time_limit_s(max_time: Any) -> float | None:
+    """Seconds of `trainer.max_time` (DD:HH:MM:SS), None without one; ConfigError for another form."""
+    if max_time is None:
+        return None
+    found = MAX_TIME.match(str(max_time).strip())
+    if not found or isinstance(max_time, bool):
+        raise ConfigError(f"trainer.max_time={max_time} is not a time; write DD:HH:MM:SS, e.g. "
+                          "trainer.max_time=00:00:30:00 for 30 minutes (or trainer.max_time=null for none)")
+    days, hours, minutes, seconds = map(int, found.groups())
+    if hours > 23 or minutes > 59 or seconds > 59 or days * 86400 + hours * 3600 + minutes * 60 + seconds == 0:
+        raise ConfigError(f"trainer.max_time={max_time} is out of range; write DD:HH:MM:SS with hours under 24 and "
+                          "minutes and seconds under 60, above zero, e.g. trainer.max_time=00:00:30:00")
+    return float(days * 86400 + hours * 3600 + minutes * 60 + seconds)
+
+
+def stopped_by(trainer: pl.Trainer) -> str | None:
+    """Which limit ended training: `trainer.max_steps`, `trainer.max_time`, or None (e.g. fast_dev_run)."""
+    if trainer.max_steps and 0 < trainer.max_steps <= trainer.global_step:
+        return "trainer.max_steps"
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    if timer is not None and timer.time_remaining("train") is not None and timer.time_remaining("train") <= 0:
+        return "trainer.max_time"
+    return None
 
 
 def check_nodes(cfg: DictConfig) -> None:
@@ -123,6 +161,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = Non
         update_moved_targets(cfg)  # a config written before the runner was split names old paths
     validate_config(cfg)
     check_nodes(cfg)
+    time_limit_s(cfg.trainer.get("max_time"))  # a limit Lightning cannot read is refused before any work
     if cfg.get("threads"):  # the user's word wins over the launcher's per-slot default
         torch.set_num_threads(int(cfg.threads))
     if cfg.get("keep_freed_memory", True):
@@ -135,7 +174,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = Non
         clean_stale_tmp(run_dir)
         ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
         if ckpt and cfg.resume and not cfg.ckpt_path:
-            done = finished_already(run_dir, ckpt, cfg.trainer.get("max_steps"))
+            done = finished_already(run_dir, ckpt, cfg.trainer.get("max_steps"), cfg.trainer.get("max_time"))
             if done is not None:
                 return done
         log.info(f"run folder: {run_dir}" + (f" (resuming from {ckpt})" if ckpt else ""))
@@ -195,8 +234,10 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = Non
                 trainer.validate(module, datamodule=datamodule, verbose=False)
         if not trainer.is_global_zero:
             return {}
-        summary = write_summary(run_dir, trainer, module, time.perf_counter() - start, {**info, "resumed_from": ckpt})
-        report(end_block(summary, run_dir, events_dir(trainer)))
+        limits = {"stopped_by": stopped_by(trainer), "max_time": cfg.trainer.get("max_time")}
+        summary = write_summary(run_dir, trainer, module, time.perf_counter() - start,
+                                {**info, "resumed_from": ckpt, **limits})
+        report(end_block(summary, run_dir, events_dir(trainer), logs_figures(trainer)))
         for line in tasks.after_training(prepared, cfg, run_dir, trainer, summary) if tasks else ():
             report(line)  # into metrics.json and the loggers, then said
         for line in finish_trackers(trainer.loggers, summary):  # their final numbers, then each run ends

@@ -6,10 +6,14 @@ validations and any error, and a best.ckpt for a run shorter than one validation
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import RUN_STEPS, faultinject_env, metrics, run_cli, tiny
+from tests.helpers import RUN_STEPS, cli_env, faultinject_env, metrics, run_cli, tiny
 
 
 @pytest.mark.slow
@@ -23,8 +27,9 @@ def test_end_block_says_what_metrics_json_holds(strategy_runs, residual):
         assert f"{key} {summary['metrics'][key]:.4f}" in out, (key, out[-1500:])
     assert f"steps {summary['steps']}," in out
     assert re.search(r"tokens seen [\d.]+k", out) and "tokens/s" in out and "peak memory" in out
-    for where in (f"run folder   {residual}", f"checkpoints  {residual}/checkpoints/ (best.ckpt, last.ckpt)",
-                  f"metrics      {residual}/metrics.json"):
+    here = ran.dir.resolve()  # absolute: the commands are pasted in other folders too
+    for where in (f"run folder   {here}\n", f"checkpoints  {here}/checkpoints/ (best.ckpt, last.ckpt)",
+                  f"metrics      {here}/metrics.json"):
         assert where in out, (where, out[-1500:])
     # a run shorter than val_check_interval (250) still validates at its end and has best.ckpt
     assert (ran.dir / "checkpoints/best.ckpt").is_file()
@@ -84,8 +89,36 @@ def test_an_interrupted_run_prints_its_end_block_and_a_plain_log_speaks_after_th
     block = out[out.index("interrupted in "):]
     assert re.match(r"interrupted in [\d.]+ s: val/accuracy [\d.]+, val/loss [\d.]+ \(its last validation, at "
                     r"step 10\)\n", block), block
-    for line in ("  steps 15, tokens seen", "  run folder   R", "  checkpoints  R/checkpoints/",
-                 "  metrics      R/metrics.json"):
+    here = (tmp_path / "R").resolve()
+    for line in ("  steps 15, tokens seen", f"  run folder   {here}\n", f"  checkpoints  {here}/checkpoints/",
+                 f"  metrics      {here}/metrics.json"):
         assert line in block, block
     assert "continue with the same command and resume=true" in ran.stderr
     assert metrics(tmp_path / "R")["validation_step"] == 10
+
+
+@pytest.mark.slow
+def test_the_end_blocks_commands_work_from_another_folder(tmp_path):
+    """Issue "The first hour, round two", item 3: the end block printed relative paths; pasted in
+    another folder, attnres-plot said "no TensorBoard event files" for a folder that did not exist.
+    A run without the depth dashboard has nothing for attnres-plot: no `figures` line."""
+    ran = run_cli(*tiny(steps=4, progress_bar=False, logger=True), "hydra.run.dir=R", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    block = ran.stdout[ran.stdout.index("finished in "):]
+    plot = next(line for line in block.splitlines() if line.startswith("  figures      "))
+    board = next(line for line in block.splitlines() if line.startswith("  TensorBoard  "))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pasted = subprocess.run(plot.split(None, 1)[1], shell=True, cwd=elsewhere, capture_output=True, text=True,
+                            env=cli_env())
+    assert pasted.returncode == 0 and (tmp_path / "R/plots/magnitude.png").is_file(), pasted.stderr[-2000:]
+    logdir = Path(shlex.split(board.split("--logdir", 1)[1])[0])
+    assert logdir.is_absolute() and any(logdir.glob("events.out.tfevents.*"))
+    missing = subprocess.run([sys.executable, "-m", "attnres.results.plot_run", "R"], cwd=elsewhere,
+                             capture_output=True, text=True, env=cli_env())
+    assert missing.returncode == 2 and f"no such folder: {elsewhere / 'R'}" in missing.stderr, missing.stderr
+
+    plain = run_cli(*tiny(steps=4, progress_bar=False, logger=True), "~callbacks.depth_dashboard",
+                    "hydra.run.dir=P", cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "  TensorBoard  " in plain.stdout and "  figures  " not in plain.stdout, plain.stdout[-1500:]
