@@ -29,7 +29,7 @@ COLUMNS = ["job", "config", "residual", "num_blocks", "seed", "status", "val/los
            "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error", *verdict.COLUMNS]
 #: configuration keys that do not change what a run computes, left out when matching baselines
 NOT_COMPARED = ("seed", "name", "resume", "ckpt_path", "overwrite", "compile", "keep_freed_memory",
-                "trainer.enable_progress_bar", "data.num_workers", "callbacks", "logger")
+                "trainer.enable_progress_bar", "data.num_workers", "callbacks", "logger", "verdict")
 #: the residual strategy's own keys: a baseline differs from its candidates in these only
 STRATEGY_KEYS = ("residual", "num_blocks")
 #: how a job ended, in the order counts are listed; "unfinished": no status (never ran, or killed
@@ -42,7 +42,7 @@ STATUS_ORDER = ("finished", "diverged", "failed", "interrupted", "cancelled", "p
                 "unfinished", "duplicate")
 #: the keys that do not name a run folder (conf/config.yaml: hydra.job.config.override_dirname)
 DEFAULT_EXCLUDED = ("name", "tune", "resume", "ckpt_path", "overwrite", "trainer.enable_progress_bar",
-                    "data.num_workers")
+                    "data.num_workers", "verdict.margin", "verdict.margin_points")
 
 
 def find_job_dirs(sweep_dir: Path) -> list[Path]:
@@ -125,6 +125,7 @@ def _job_row(run_dir: Path) -> dict[str, Any]:
     row.update(
         tokens_per_sec=metrics.get("tokens_per_sec"), peak_memory_gib=peak / 2**30 if peak else None,
         tokens_per_sec_after_warmup=metrics.get("tokens_per_sec_after_warmup"),  # the verdicts' tokens/s ratio
+        machine_load=metrics.get("machine_load"),  # whether that ratio was measured on a busy machine (cost.py)
         parameters=metrics.get("parameters"), wall_time_s=metrics.get("wall_time_s"),
         slot=metrics.get("slot"), error=metrics.get("error"),
     )
@@ -277,10 +278,23 @@ def filled_columns(rows: list[dict[str, Any]]) -> list[str]:
     return [c for c in MD_COLUMNS if c in ("job", "status") or any(_fmt(r.get(c)) for r in rows)]
 
 
-def attach_verdicts(rows: list[dict[str, Any]], metric: str) -> list[verdict.Comparison]:
+def margin_from_runs(rows: list[dict[str, Any]]) -> verdict.Margin:
+    """The margin the sweep's runs were configured with (`verdict:` of a run's .hydra/config.yaml), or
+    the defaults for runs older than it; a bad value there is a ConfigError."""
+    for row in rows:
+        path = Path(row["path"]) / ".hydra" / "config.yaml" if row.get("path") else None
+        if path is not None and path.is_file():
+            node = OmegaConf.load(path).get("verdict")
+            if node is not None:
+                return verdict.Margin.from_config(node)
+    return verdict.Margin()
+
+
+def attach_verdicts(rows: list[dict[str, Any]], metric: str, margin: verdict.Margin | None = None
+                    ) -> list[verdict.Comparison]:
     """The comparisons of the sweep; each row gets its configuration's verdict columns and
     `diff`, its own difference from the baseline run of the same seed."""
-    found = verdict.comparisons(rows, metric)
+    found = verdict.comparisons(rows, metric, margin)
     by_config = {c.label: c for c in found}
     for row in rows:
         comparison = by_config.get(row.get("config"))
@@ -288,6 +302,18 @@ def attach_verdicts(rows: list[dict[str, Any]], metric: str) -> list[verdict.Com
             row.update(comparison.columns())
             row["diff"] = comparison.diffs.get(row.get("seed"))
     return found
+
+
+def verdict_intro(metric: str, margin: verdict.Margin, what: str = "Each configuration against the "
+                  "standard-residual runs of the same configuration") -> str:
+    """The paragraph above a summary's verdicts: what the words mean (docs/sweeps.md#verdicts)."""
+    return (f"{what}, paired by seed: the mean difference of {metric} with its 95% interval (Student t; at "
+            f"1 - 0.05/K, with Holm's p, when K configurations share a baseline), judged against the margin "
+            f"({margin.describe(metric)}; points for accuracies): better or worse by at least the margin, by less "
+            "than it, equivalent within it (the interval inside it, TOST), or not resolved; 2 seeds never "
+            "name a winner. Then the seeds that favour each side, the smallest difference these seeds detect "
+            "at 80% power and the seeds the margin needs, and the cost as ratios to the baseline with a 95% "
+            "interval.")
 
 
 def verdict_lines(found: list[verdict.Comparison], rows: list[dict[str, Any]]) -> list[str]:
@@ -299,15 +325,18 @@ def verdict_lines(found: list[verdict.Comparison], rows: list[dict[str, Any]]) -
 
 
 def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | None = None,
-                        only: Collection[str] | None = None) -> list[dict[str, Any]]:
+                        only: Collection[str] | None = None, margin: verdict.Margin | None = None
+                        ) -> list[dict[str, Any]]:
     """summary.csv, summary.md and summary.png in `sweep_dir`, from its runs (and those of
-    `more_dirs`; with `only`, of the sweep that just ran alone). Returns the rows, with their verdict columns."""
+    `more_dirs`; with `only`, of the sweep that just ran alone), the verdicts at `margin` (by default
+    the runs' own, `margin_from_runs`). Returns the rows, with their verdict columns."""
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir, *more_dirs, only=only)
     names = [d.relative_to(sweep_dir).as_posix() for d in find_job_dirs(sweep_dir)]
     left_out = 0 if only is None else sum(name not in only for name in names)
     metric = primary_metric(rows)
-    found = attach_verdicts(rows, metric)
+    margin = margin or margin_from_runs(rows)
+    found = attach_verdicts(rows, metric, margin)
     task_keys = task_verdicts.attach(rows)  # eval.tasks: one more column and verdict per task metric
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, *task_keys], extrasaction="ignore")
@@ -316,12 +345,9 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     atomic_write(sweep_dir / "summary.csv", lambda f: f.write(buffer.getvalue().encode()))
 
     total, _, counts = format_counts(status_counts([r["status"] for r in rows])).partition(", ")
-    lines = [f"# Sweep {title or sweep_dir.name}", "", "## Verdicts", "",
-             f"Each configuration against the standard-residual runs of the same configuration, paired by "
-             f"seed: the mean difference of {metric} with its 95% interval (Student t), the seeds that favour "
-             "each side, and the cost as ratios to the baseline.", ""]
+    lines = [f"# Sweep {title or sweep_dir.name}", "", "## Verdicts", "", verdict_intro(metric, margin), ""]
     lines += [f"- {line}" for line in verdict_lines(found, rows)]
-    lines += [f"- {c.sentence()}" for c in task_verdicts.comparisons(rows, task_keys)]
+    lines += [f"- {c.sentence()}" for c in task_verdicts.comparisons(rows, task_keys, margin)]
     lines += ["", "## Jobs", "",
               f"{total}{': ' + counts if counts else ''}. The job column lists the overrides that differ; "
               f"diff is the run's {metric} minus its baseline's at the same seed.", ""]

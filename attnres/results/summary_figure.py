@@ -1,10 +1,11 @@
 """summary.png of a sweep: what each configuration changes, and how the runs got there.
 
 Left: each configuration's difference from its paired standard-residual baseline (the mean,
-its 95% interval, a dot per seed), zero marked, so a gap inside the seeds' spread reads as
-one. Right: the validation curves of the primary metric over steps, mean and min-max band
-over seeds, read from each run's TensorBoard events (the `Val/...` tags the runner logs); a run
-that validated once (the default at a few steps) is a point with its seeds' range as a bar.
+its interval, a dot per seed), zero marked and the margin shaded, so a gap inside the seeds'
+spread or inside the margin reads as one; each row names its verdict. Right: the validation
+curves of the primary metric over steps, mean and min-max band over seeds, read from each
+run's TensorBoard events (the `Val/...` tags the runner logs); a run that validated once (the
+default at a few steps) is a point with its seeds' range as a bar.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ import numpy as np
 
 from attnres.results.figures import new_figure, strategy_colours
 
-VERDICT_COLOURS = {"better": "#2a7d2a", "worse": "#b22222"}
+#: a verdict's colour by its first word (verdict.margin_verdict): better, worse, equivalent; the rest grey
+VERDICT_COLOURS = {"better": "#2a7d2a", "worse": "#b22222", "equivalent": "#1f5fa8"}
 UNCLEAR = "#555555"
+
+
+def verdict_colour(words: str) -> str:
+    return VERDICT_COLOURS.get(words.split(" ", 1)[0].rstrip(",;:"), UNCLEAR)
 
 
 def validation_curve(run_dir: Path, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -74,7 +80,23 @@ def summary_figure(comparisons: Sequence[Any], rows: Sequence[Mapping[str, Any]]
     return fig
 
 
-def _differences(ax: Any, shown: Sequence[Any], metric: str) -> None:
+def tuned_verdicts_figure(tuned: Sequence[Any], shared: Sequence[Any], metric: str, title: str, panels: int):
+    """summary.png of a tuned sweep: on the left both verdicts, each arm at its own best and, when
+    the folder has those runs, every arm at the configured values; `panels` axes on the right for
+    the search (tuning_figure.draw_search). Returns (figure, the search's axes)."""
+    rows = [(c, "own best") for c in tuned if c.mean is not None] + \
+        [(c, "configured") for c in shared if c.mean is not None]
+    fig = new_figure(6.4 + 5.0 * panels, max(4.0, 0.6 * len(rows) + 2.2))
+    axes = fig.add_gridspec(1, 1 + panels, width_ratios=[1.2] + [1.0] * panels, wspace=0.5).subplots()
+    _differences(axes[0], [c for c, _ in rows], metric, stages=[stage for _, stage in rows])
+    axes[0].set_title("each arm at its own best, and at the configured values:\nmean, interval, o: each seed, "
+                      "shaded: the margin", fontsize=9)
+    fig.suptitle(f"{title}: the verdicts ({metric}, verdict seeds) and the search", fontsize=10)
+    fig.subplots_adjust(left=0.16, right=0.98, top=0.84, bottom=0.16)
+    return fig, list(axes[1:])
+
+
+def _differences(ax: Any, shown: Sequence[Any], metric: str, stages: Sequence[str] | None = None) -> None:
     ax.axvline(0.0, color="black", linewidth=0.9)
     if not shown:
         ax.text(0.5, 0.5, "no comparison: the sweep needs\nresidual=standard runs of the same configuration",
@@ -83,7 +105,9 @@ def _differences(ax: Any, shown: Sequence[Any], metric: str) -> None:
         return
     rng = np.random.default_rng(0)  # the same jitter on every redraw
     for y, c in enumerate(shown):
-        colour = VERDICT_COLOURS.get(c.verdict, UNCLEAR)
+        colour = verdict_colour(c.verdict)
+        if getattr(c, "margin", None):  # the differences that do not matter
+            ax.fill_betweenx([y - 0.4, y + 0.4], -c.margin, c.margin, color="#999999", alpha=0.18, linewidth=0)
         if c.ci is not None:
             ax.errorbar([c.mean], [y], xerr=[[c.mean - c.ci[0]], [c.ci[1] - c.mean]], fmt="o", color=colour,
                         capsize=4, markersize=6, zorder=3)
@@ -95,13 +119,28 @@ def _differences(ax: Any, shown: Sequence[Any], metric: str) -> None:
         tag = {"paired t": f"n={c.n}", "one pair": "1 seed", "Welch (unpaired)": f"unpaired n={c.n}"}.get(c.method, "")
         ax.annotate(tag, (1.0, y), xycoords=("axes fraction", "data"), xytext=(3, 0), textcoords="offset points",
                     va="center", fontsize=7, color=UNCLEAR, annotation_clip=False)
-    ax.set_yticks(range(len(shown)), [f"{c.label}\nvs {c.baseline}" for c in shown], fontsize=8)
+    stages = stages or [""] * len(shown)
+    ax.set_yticks(range(len(shown)), [f"{c.label} vs {c.baseline}" + (f" ({stage})" if stage else "") +
+                                      f"\n{_wrapped(c.verdict)}" for c, stage in zip(shown, stages, strict=True)],
+                  fontsize=7)
     ax.set_ylim(len(shown) - 0.5, -0.5)
     better = "lower" if shown[0].lower_is_better else "higher"
     ax.set_xlabel(f"{metric} difference from the paired baseline ({better} is better)", fontsize=8)
-    ax.set_title("mean, 95% t interval, o: each seed", fontsize=9)
+    ax.set_title("mean, t interval, o: each seed, shaded: the margin", fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(axis="x", alpha=0.3)
+
+
+def _wrapped(words: str, width: int = 34) -> str:
+    """A verdict in lines of about `width` characters, for a tick label."""
+    lines, line = [], ""
+    for word in words.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return "\n".join([*lines, line])
 
 
 #: a curve of at most this many validations gets a marker at each

@@ -31,11 +31,13 @@ def attach(rows: list[dict[str, Any]]) -> list[str]:
     return keys
 
 
-def comparisons(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[verdict.Comparison]:
-    """Every strategy against its baseline on every task metric, metric by metric."""
-    return [c for key in keys for c in verdict.comparisons(rows, key)]
+def comparisons(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
+                margin: verdict.Margin | None = None) -> list[verdict.Comparison]:
+    """Every strategy against its baseline on every task metric, metric by metric (Holm over the
+    strategies within a metric), at `margin` (`verdict.margin_points` for accuracies)."""
+    return [c for key in keys for c in verdict.comparisons(rows, key, margin)]
 
 
-def lines(rows: list[dict[str, Any]]) -> list[str]:
+def lines(rows: list[dict[str, Any]], margin: verdict.Margin | None = None) -> list[str]:
     """The verdict sentences on the task metrics of `rows` (attached here if not yet)."""
-    return [c.sentence() for c in comparisons(rows, attach(rows))]
+    return [c.sentence() for c in comparisons(rows, attach(rows), margin)]

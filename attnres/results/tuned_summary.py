@@ -20,7 +20,15 @@ from typing import Any
 
 from attnres.atomic import atomic_write
 from attnres.results import tuning, verdict
-from attnres.results.summary import COLUMNS, _fmt, collect_rows, filled_columns, primary_metric
+from attnres.results.summary import (
+    COLUMNS,
+    _fmt,
+    collect_rows,
+    filled_columns,
+    margin_from_runs,
+    primary_metric,
+    verdict_intro,
+)
 
 
 def _rows_by_job(sweep_dir: Path, names: set[str]) -> dict[str, dict[str, Any]]:
@@ -29,7 +37,8 @@ def _rows_by_job(sweep_dir: Path, names: set[str]) -> dict[str, dict[str, Any]]:
 
 
 def _compare(state: Mapping[str, Any], rows: Mapping[str, Mapping[str, Any]], field: str,
-             metric: str) -> list[verdict.Comparison]:
+             metric: str, margin: verdict.Margin) -> list[verdict.Comparison]:
+    """Each arm against its baseline arm on the runs of `field` (Holm over the arms of one baseline)."""
     arms = {a["label"]: a for a in state.get("arms", [])}
     found = []
     for arm in arms.values():
@@ -38,8 +47,8 @@ def _compare(state: Mapping[str, Any], rows: Mapping[str, Mapping[str, Any]], fi
         base = arms.get(arm.get("baseline") or "")
         cand_rows = [rows[j] for j in (arm.get(field) or {}).values() if j in rows]
         base_rows = [rows[j] for j in (base.get(field) or {}).values() if j in rows] if base else []
-        found.append(verdict.compare(cand_rows, base_rows, metric, arm["label"], base["label"] if base else None))
-    return found
+        found.append((cand_rows, base_rows, arm["label"], base["label"] if base else None))
+    return verdict.compare_arms(found, metric, margin)
 
 
 def choice_line(group: Mapping[str, Any], state: Mapping[str, Any]) -> str:
@@ -88,8 +97,10 @@ def lines(state: Mapping[str, Any], tuned: Sequence[verdict.Comparison],
     return out
 
 
-def write_tuned_summary(sweep_dir: str | Path, title: str | None = None) -> tuple[list[dict[str, Any]], list[str]]:
-    """summary.md/.csv/.png and tuning.png of a tuned sweep; returns its verdict rows and lines."""
+def write_tuned_summary(sweep_dir: str | Path, title: str | None = None, margin: verdict.Margin | None = None
+                        ) -> tuple[list[dict[str, Any]], list[str]]:
+    """summary.md/.csv/.png and tuning.png of a tuned sweep, the verdicts at `margin` (by default the
+    runs' own); returns its verdict rows and lines."""
     sweep_dir = Path(sweep_dir)
     state = tuning.read_state(sweep_dir)
     arms = state.get("arms", [])
@@ -97,16 +108,16 @@ def write_tuned_summary(sweep_dir: str | Path, title: str | None = None) -> tupl
     shared_jobs = {j for a in arms for j in (a.get("untuned_jobs") or {}).values()}
     rows = _rows_by_job(sweep_dir, tuned_jobs | shared_jobs)
     metric = primary_metric(list(rows.values())) if rows else state.get("signature", {}).get("metric", "val/loss")
-    tuned, shared = _compare(state, rows, "jobs", metric), _compare(state, rows, "untuned_jobs", metric)
+    margin = margin or margin_from_runs(list(rows.values()))
+    tuned, shared = _compare(state, rows, "jobs", metric, margin), _compare(state, rows, "untuned_jobs", metric, margin)
     text = lines(state, tuned, shared)
     title = title or sweep_dir.name
     seeds = ", ".join(map(str, state.get("tuning_seeds", [])))
     md = [f"# Tuned sweep {title}", "",
           "## Verdict, each arm at its own best", "",
-          f"Each arm ran at the values its search chose on the tuning seeds ({seeds}), "
-          f"then on the verdict seeds, which the search never read; paired by seed against its baseline arm at the "
-          f"baseline's own best: the mean difference of {metric} with its 95% interval (Student t), the seeds that "
-          "favour each side, and the cost as ratios to the baseline.", ""]
+          verdict_intro(metric, margin, f"Each arm ran at the values its search chose on the tuning seeds ({seeds}), "
+                        "then on the verdict seeds, which the search never read; against its baseline arm at the "
+                        "baseline's own best"), ""]
     md += [f"- {c.sentence()}" for c in tuned] or ["- no tuned verdict: no baseline arm among the arms"]
     md += ["", "## What each arm chose", ""] + [f"- {choice_line(g, state)}" for g in state.get("groups", [])]
     equal, budget = tuning.budget_check(state.get("groups", []))
@@ -124,9 +135,9 @@ def write_tuned_summary(sweep_dir: str | Path, title: str | None = None) -> tupl
             for job in (arm.get(field) or {}).values():
                 if job in rows:
                     verdict_rows.append({**rows[job], "stage": stage, "arm": arm["label"]})
-    by_label = {c.label: c for c in tuned}
-    for row in verdict_rows:
-        c = by_label.get(row["arm"]) if row["stage"] == "tuned" else None
+    by_stage = {"tuned": {c.label: c for c in tuned}, "configured": {c.label: c for c in shared}}
+    for row in verdict_rows:  # each row's own difference and its stage's verdict: the shared-lr one checks too
+        c = by_stage[row["stage"]].get(row["arm"])
         if c is not None:
             row.update(c.columns())
             row["diff"] = c.diffs.get(row.get("seed"))
@@ -139,7 +150,7 @@ def write_tuned_summary(sweep_dir: str | Path, title: str | None = None) -> tupl
     writer.writerows({k: _fmt(r.get(k)) for k in ["stage", "arm", *COLUMNS]} for r in verdict_rows)
     atomic_write(sweep_dir / "summary.csv", lambda f: f.write(buffer.getvalue().encode()))
     atomic_write(sweep_dir / "summary.md", lambda f: f.write(("\n".join(md) + "\n").encode()))
-    _draw(sweep_dir, state, tuned, metric, title)
+    _draw(sweep_dir, state, tuned, [c for c in shared if c.mean is not None], metric, title)
     return verdict_rows, text
 
 
@@ -188,12 +199,20 @@ def _cell(trial: Mapping[str, Any] | None) -> str:
     return _fmt(trial.get("value")) if trial.get("status") == "finished" else str(trial.get("status"))
 
 
-def _draw(sweep_dir: Path, state: Mapping[str, Any], tuned: Sequence[verdict.Comparison], metric: str,
-          title: str) -> None:
-    from attnres.results import tuning_figure
+def _draw(sweep_dir: Path, state: Mapping[str, Any], tuned: Sequence[verdict.Comparison],
+          shared: Sequence[verdict.Comparison], metric: str, title: str) -> None:
+    """tuning.png, and summary.png: both verdicts (each arm at its own best, and at the configured
+    values when the folder has those runs) beside the search."""
+    from attnres.results import summary_figure, tuning_figure
+
+    def both_verdicts():
+        fig, search_axes = summary_figure.tuned_verdicts_figure(tuned, shared, metric, title,
+                                                                len(tuning_figure.search_keys(state)) or 1)
+        tuning_figure.draw_search(search_axes, state)
+        return fig
 
     for name, make in (("tuning.png", lambda: tuning_figure.search_figure(state, title)),
-                       ("summary.png", lambda: tuning_figure.tuned_figure(tuned, state, metric, title))):
+                       ("summary.png", both_verdicts)):
         try:
             fig = make()
             buffer = io.BytesIO()

@@ -186,8 +186,8 @@ class Comparison:
             if value:
                 cost_parts.append(f"{value:.2f}x {name}" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]"
                                                             if interval else ""))
-        if self.load_note and self.tokens_per_sec_ratio:
-            cost_parts.append(self.load_note)
+            if value and name == "tokens/s" and self.load_note:  # right after the ratio it qualifies
+                cost_parts.append(self.load_note)
         if self.tokens_per_sec_note:
             cost_parts.append(self.tokens_per_sec_note)
         return "; " + ", ".join(cost_parts) if cost_parts else ""

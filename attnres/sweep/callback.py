@@ -38,15 +38,16 @@ class SweepSummary(Callback):
         if not counts:  # launchers that never call ours (basic, SLURM) with nothing to run
             with user_errors():
                 raise no_jobs_error(config)
+        margin = verdict.Margin.from_config(OmegaConf.select(config, "verdict", default=None))  # checked by then
         try:
             if tuning.is_tuned(sweep_dir):  # tune=lr: the tuned verdict leads; its lines carry their own heads
-                rows, lines = write_tuned_summary(sweep_dir)
+                rows, lines = write_tuned_summary(sweep_dir, margin=margin)
                 heads = list(lines)
             else:
                 this_sweep = sweep_jobs.get(folder_key(sweep_dir)) or None  # not the earlier sweeps' in the folder
-                rows = write_sweep_summary(sweep_dir, only=this_sweep)
-                lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows)), rows)
-                lines += task_verdicts.lines(rows)  # eval.tasks: a verdict per strategy and task metric
+                rows = write_sweep_summary(sweep_dir, only=this_sweep, margin=margin)
+                lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows), margin), rows)
+                lines += task_verdicts.lines(rows, margin)  # eval.tasks: a verdict per strategy and task metric
                 heads = [f"verdict: {line}" for line in lines]
         except OSError as err:  # a full disk as the sweep ends: the jobs' results are whole, the summary waits
             if err.errno not in WRITE_ERRORS:

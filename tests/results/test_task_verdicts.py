@@ -53,12 +53,14 @@ def test_one_verdict_per_strategy_and_task_metric_paired_by_seed(rows):
     half = T_975_DF2 * 0.01 / math.sqrt(3)
     assert acc.method == "paired t" and acc.n == 3 and acc.mean == pytest.approx(sum(d) / 3)
     assert acc.ci == pytest.approx((0.11 - half, 0.11 + half), abs=1e-9)
-    assert acc.verdict == "better" and (acc.wins, acc.losses) == (3, 0)
+    assert acc.verdict == "better by at least the margin" and (acc.wins, acc.losses) == (3, 0)
     line = acc.sentence()
-    assert line.startswith("block vs standard: better, +0.1100 attnres_pointer/acc [+0.0852, +0.1348]"), line
+    assert line.startswith("block vs standard: better by at least the margin, +0.1100 attnres_pointer/acc "
+                           "[+0.0852, +0.1348]"), line
+    assert "margin 0.0100 = 1 point" in line  # verdict.margin_points: 1 point of a 0-1 accuracy
     assert "higher is better" in line and "3/3 seeds favour block" in line
     bpb = found["attnres_bpb/bits_per_byte"]
-    assert bpb.verdict == "worse" and bpb.losses == 3 and "lower is better" in bpb.sentence()
+    assert bpb.verdict == "worse by at least the margin" and bpb.losses == 3 and "lower is better" in bpb.sentence()
     assert task_verdicts.lines(rows) == [acc.sentence(), bpb.sentence()]
 
 
@@ -77,7 +79,7 @@ def test_the_summary_gets_the_task_columns_and_verdicts(rows, tmp_path):
     finally:
         summary.collect_rows = original
     text = (sweep / "summary.md").read_text()
-    assert "- block vs standard: better, +0.1100 attnres_pointer/acc" in text
+    assert "- block vs standard: better by at least the margin, +0.1100 attnres_pointer/acc" in text
     assert "attnres_bpb/bits_per_byte |" in text.split("## Jobs")[1].splitlines()[-2 - len(rows)]  # the header
     with open(sweep / "summary.csv") as f:
         got = list(csv.DictReader(f))
