@@ -9,7 +9,11 @@ and at the end of fit, and logs (tags in brackets; `<sub>` is `L03_mlp`-style, o
 - RMS of each sublayer's input and output [magnitude/plot, magnitude/input/<sub>,
   magnitude/output/<sub>]; every strategy;
 - the gradient norm of each Transformer layer's parameters, before clipping, from the
-  training step of the same number [grad_norm/plot, grad_norm/layer_03].
+  optimiser step that brings the count to that step [grad_norm/plot, grad_norm/layer_03].
+
+Every step is the number of optimiser steps taken, as the run's log says it and as every other
+scalar is logged (`attnres.training.tensorboard.StepAxis`): a probe at step 20 reads the weights
+after 20 steps; the gradient norms at 20 are the 20th step's.
 
 Each figure's raw array is logged beside it as a tensor summary ([depth/heatmap_data], ...)
 with its labels as plugin metadata, so `attnres-plot` redraws the same picture.
@@ -90,9 +94,11 @@ class DepthDashboard(pl.Callback):
             self.probe(trainer, pl_module, step)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        step = trainer.global_step
-        last = trainer.max_steps is not None and step == trainer.max_steps - 1
-        if self._writer is not None and (self._due(step) or last):
+        # the gradient of the step about to be taken, logged at the count of steps once it is (as every
+        # other scalar, `StepAxis`): the first step's at 1, the last's at max_steps
+        step = trainer.global_step + 1
+        due = step == self._first_step + 1 or step % self.every_n_steps == 0
+        if self._writer is not None and (due or step == trainer.max_steps):
             self.log_grad_norms(pl_module.model, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

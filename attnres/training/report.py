@@ -44,7 +44,7 @@ def write_summary(
     model = module.model
     summary = {
         "status": status,
-        "metrics": {k: v for k, v in sorted(metrics.items()) if not k.startswith(("lr/", "perf/"))},
+        "metrics": {k: v for k, v in sorted(metrics.items()) if not k.startswith(("lr/", "perf/")) and k != "step"},
         **throughput(module),
         "parameters": model.num_parameters() if hasattr(model, "num_parameters") else None,
         "parameters_without_residual": (

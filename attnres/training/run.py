@@ -47,6 +47,7 @@ from attnres.training.faults import (
     stop_signals,
 )
 from attnres.training.lit import LitLanguageModel
+from attnres.training.machine_load import MachineLoad
 from attnres.training.report import (
     config_summary,
     end_block,
@@ -59,6 +60,7 @@ from attnres.training.report import (
     share_log_file,
     write_summary,
 )
+from attnres.training.tensorboard import StepAxis
 from attnres.training.trackers import finish_trackers, make_loggers
 
 log = logging.getLogger("attnres")
@@ -206,9 +208,11 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = Non
         if cfg.overwrite:  # every check has passed: only now is the previous run removed
             clear_previous_run(run_dir)
         loggers = make_loggers(cfg, run_dir, info)  # trackers get the run folder, its sweep and its hparams
-        callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [stop]
+        callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [stop, StepAxis()]
         if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
             callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+        load = MachineLoad()  # the machine's load while it trains: metrics.json (results/cost.py reads it)
+        callbacks.append(load)
         trainer = instantiate(
             cfg.trainer,
             precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
@@ -236,7 +240,7 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = Non
             return {}
         limits = {"stopped_by": stopped_by(trainer), "max_time": cfg.trainer.get("max_time")}
         summary = write_summary(run_dir, trainer, module, time.perf_counter() - start,
-                                {**info, "resumed_from": ckpt, **limits})
+                                {**info, "resumed_from": ckpt, **limits, "machine_load": load.record()})
         report(end_block(summary, run_dir, events_dir(trainer), logs_figures(trainer)))
         for line in tasks.after_training(prepared, cfg, run_dir, trainer, summary) if tasks else ():
             report(line)  # into metrics.json and the loggers, then said

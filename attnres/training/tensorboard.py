@@ -84,6 +84,20 @@ def scalars_layout(metric: str | None) -> Any:
                                         metadata=SummaryMetadata(plugin_data=plugin))])
 
 
+class StepAxis(pl.Callback):
+    """Every logger's x-axis is the number of optimiser steps taken, as the run's log says it: the
+    metrics after the 20th step are at step 20. (Lightning's own axis counts from 0 during fit, so
+    a 20-step run's losses and in-fit validations ended at 19, a validation after fit at 20, the
+    dashboard's figures at 20.) Lightning takes a logged `step` as the axis of that call's metrics."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        pl_module.log("step", float(trainer.global_step), on_step=True, on_epoch=False)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            pl_module.log("step", float(trainer.global_step), on_step=False, on_epoch=True)
+
+
 class TensorBoardLogger(LightningTensorBoardLogger):
     """Lightning's TensorBoardLogger, for the dashboards of docs/dashboards.md:
 

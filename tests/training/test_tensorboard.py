@@ -36,7 +36,7 @@ def test_hparams_with_final_metrics(strategy_events, strategy_runs, residual):
     # TensorBoard fills the metric columns with each tag's last value: the final validation
     final = json.loads((strategy_runs[residual].dir / "metrics.json").read_text())["metrics"]
     assert acc.Scalars("Val/loss")[-1].value == pytest.approx(final["val/loss"])
-    assert acc.Scalars("Val/loss")[-1].step >= STEPS - 1  # the validation after the last step
+    assert acc.Scalars("Val/loss")[-1].step == STEPS  # the validation after the last step, at the steps taken
 
 
 def _hparams(acc):
@@ -101,3 +101,29 @@ def test_scalars_open_on_the_losses(strategy_events, residual):
     assert [c.title for c in first.chart] == ["Train/loss", "Val/loss", "Val/accuracy"]
     for regex in regexes:
         assert [t for t in scalars if re.match(regex, t)]  # every chart has a line
+
+
+@pytest.mark.slow
+def test_one_step_count_everywhere(tmp_path):
+    """Issue "The first hour, round two", item 5: in a 20-step run whose log said step 20, the
+    losses, Val/bpb (so summary.png) and grad_norm.png were at step 19, heatmap.png at 20. Every
+    step is now the number of optimiser steps taken."""
+    from tests.helpers import event_accumulator, metrics, run_cli, run_script, tiny
+
+    ran = run_cli(*tiny("residual=block", "num_blocks=2", "callbacks.depth_dashboard.every_n_steps=10",
+                        "trainer.log_every_n_steps=5", data="stdlib", steps=20, val_every=10, progress_bar=False,
+                        logger=True), "hydra.run.dir=R", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "  steps 20, " in ran.stdout and metrics(tmp_path / "R")["steps"] == 20
+    acc = event_accumulator(tmp_path / "R")
+    assert [e.step for e in acc.Scalars("Train/loss")] == [5, 10, 15, 20]
+    for tag in ("Val/loss", "Val/bpb"):
+        assert [e.step for e in acc.Scalars(tag)] == [10, 20], tag
+    assert [e.step for e in acc.Scalars("grad_norm/layer_00")] == [1, 10, 20]  # the first step's, then every 10
+    for tag in ("depth/heatmap_data", "magnitude/plot_data"):
+        assert [e.step for e in acc.Tensors(tag)] == [0, 10, 20], tag  # the weights after 0, 10 and 20 steps
+    assert "step" not in metrics(tmp_path / "R")["metrics"]
+    plotted = run_script("experiments/plot_run.py", str(tmp_path / "R"), cwd=tmp_path, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+    for name in ("heatmap.png", "magnitude.png", "grad_norm.png"):
+        assert f"{name} (step 20)" in plotted.stdout, plotted.stdout
