@@ -75,8 +75,8 @@ def prepare(cfg: DictConfig, datamodule: Any) -> Prepared | None:
 
 def hf_model_of_run(cfg: DictConfig, ckpt: Path, datamodule: Any) -> tuple[Any, Any, int | None]:
     """(AttnResForCausalLM with the checkpoint's weights, its PreTrainedTokenizerFast, prefix token id)."""
+    from attnres.export.main import prepare_export
     from attnres.hf.tokenization import BYTE_PREFIX, hf_tokenizer, is_byte_level
-    from attnres.training.export import prepare_export
 
     model, tok, _ = prepare_export(cfg, ckpt, None)
     if tok is None and hasattr(datamodule, "num_symbols"):
@@ -179,7 +179,7 @@ def evaluate_folder(folder: Path, opts: dict[str, Any], checkpoint: str = "last"
         prepared = Prepared(opts, None)
         model, tok, prefix = hf_model_of_folder(folder)
         return evaluate(prepared, model, tok, prefix)  # printed; an exported folder stays as attnres-export wrote it
-    from attnres.training.export import check_run
+    from attnres.export.main import check_run
 
     cfg, _, ckpt = check_run(folder, checkpoint)
     datamodule = run_data(cfg)

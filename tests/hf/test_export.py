@@ -24,7 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import attnres.hf  # noqa: E402, F401  (registers the Auto classes)
-from attnres.training.export import export, is_running  # noqa: E402
+from attnres.export.main import export, is_running  # noqa: E402
 from attnres.training.faults import RunLock  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.hf.shared import DATA, NEW, PROMPT, SAMPLE, STRATEGIES  # noqa: E402  (`runs`: tests/hf/conftest.py)
@@ -140,7 +140,7 @@ def test_a_bpe_run_ships_its_tokenizer(tmp_path):
 
 # -- the command line and its refusals ----------------------------------------------------------
 def export_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attnres.training.export", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "attnres.export.main", *map(str, args)], cwd=cwd,
                           env=helpers.cli_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -248,7 +248,7 @@ def test_the_page_does_what_it_shows(runs, tmp_path):
                           if any(x.startswith("$ attnres-export") for x in t))
     run_dir = command.split()[1]
     shutil.copytree(runs / "standard", tmp_path / run_dir)
-    ran = subprocess.run([sys.executable, "-m", "attnres.training.export", *command.split()[1:]], cwd=tmp_path,
+    ran = subprocess.run([sys.executable, "-m", "attnres.export.main", *command.split()[1:]], cwd=tmp_path,
                          env=helpers.cli_env(), capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     printed = ran.stdout.strip().splitlines()

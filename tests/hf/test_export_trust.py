@@ -19,8 +19,8 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install 'att
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from attnres.export.main import export  # noqa: E402
 from attnres.training.checkpoints import checkpoint_step  # noqa: E402
-from attnres.training.export import export  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.hf.shared import DATA, RUNS  # noqa: E402  (`runs`: tests/hf/conftest.py)
 from tests.hf.test_export import export_cli, one_line  # noqa: E402

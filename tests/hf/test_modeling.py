@@ -173,7 +173,7 @@ def test_importing_attnres_does_not_import_transformers():
     """The library; the runner imports Lightning, whose torchmetrics imports transformers itself when
     it is installed (torchmetrics.functional.text.bert)."""
     code = ("import sys, attnres, attnres.model, attnres.residual, attnres.probes, attnres.knockout; "
-            "attnres.Transformer, attnres.BlockAttentionResidual, attnres.functional; import attnres.training.export; "
+            "attnres.Transformer, attnres.BlockAttentionResidual, attnres.functional; import attnres.export.main; "
             "print(sorted(m for m in ('transformers', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -167,7 +167,7 @@ def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard
     assert len(again.stderr.strip().splitlines()) == 1, again.stderr
 
     # the same model exported: attnres's own tasks need the run's data, a folder of task YAMLs runs as it is
-    export = helpers.run_script("attnres/training/export.py", str(folder), str(tmp_path / "hf"), cwd=tmp_path)
+    export = helpers.run_script("attnres/export/main.py", str(folder), str(tmp_path / "hf"), cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     exported_files = list((tmp_path / "hf").iterdir())
     own = helpers.run_script("attnres/tasks/main.py", str(tmp_path / "hf"), "--tasks", "attnres_bpb",

@@ -13,7 +13,7 @@ Refused in one line, exit status 2, with nothing written: a folder that is not a
 is still running (its `.run.lock` is held), failed or never ended (no `metrics.json`, or one that
 still says "running": killed while it continued), a run without the checkpoint asked for, a damaged
 checkpoint or config, an existing OUT_DIR without `--overwrite`, and with it anything but an
-earlier export (`export_folder.py`); a disk that is full or read-only says so (nothing is lost).
+earlier export (`folder.py`); a disk that is full or read-only says so (nothing is lost).
 The numbers printed beside the checkpoint are the ones that describe it, or none.
 """
 
@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from attnres.atomic import DISK_FULL, FILE_MODE, WRITE_ERRORS, read_json
 from attnres.config.errors import ConfigError
 from attnres.config.moved import update_moved_targets
-from attnres.training.export_folder import check_out, recover_leftovers
+from attnres.export.folder import check_out, recover_leftovers
 
 PROG = "attnres-export"
 
