@@ -37,15 +37,24 @@ namespace {
 using at::Tensor;
 constexpr int64_t kGrain = 32;  // tokens per task: a few hundred KB of sources at D ~ 100
 
-// Row chunks as values: W = 64 bytes of lanes (GCC/Clang vector extensions, lowered to what
-// the target has: one AVX-512 register, two AVX2 ones, four SSE/NEON ones), a D that W does not
+// Row chunks as values: W lanes of one vector register of the target (GCC/Clang vector
+// extensions: 64 bytes with AVX-512, 32 with AVX/AVX2, 16 with SSE/NEON), a D that W does not
 // divide finishing with one-lane chunks (a plain T). The dot products sum in such values, W
 // partial sums per row added up at the end: one running sum is a chain of dependent
 // multiply-adds (about 4 cycles each), and at D ~ 100 that latency, not the loads, was what a
-// row's dot products cost.
+// row's dot products cost. Wider than a register, the vectors are not kept in registers: GCC
+// lowered 64-byte values on an AVX2 CPU to halves passed through the stack and reassembled from
+// 64-bit pieces, and the kernel ran 2.5x to 3.4x slower at D 32 to 256 (perf annotate, 2026-12-06).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
 template <typename T>
 struct Lanes {
-  typedef T type __attribute__((vector_size(64)));
+  typedef T type __attribute__((vector_size(kVecBytes)));
 };
 template <typename T>
 using vec = typename Lanes<T>::type;
