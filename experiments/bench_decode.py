@@ -83,19 +83,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every figure here")
     args = p.parse_args(argv)
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def refuse(message: str) -> None:  # one line, exit 2, before any model is built
+        p.exit(2, f"bench_decode.py: {message}\n")
+
+    args.device = _device(args.device, refuse)
     cuda = args.device.type == "cuda"
     args.shapes = [s.strip() for s in (args.shapes or ("gpu-b1,gpu-b8" if cuda else CPU_SHAPES)).split(",")]
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown:
-        p.error(f"unknown shape {unknown[0]!r}; choose from {', '.join(SHAPES)}")
+        refuse(f"unknown shape {unknown[0]!r}; choose from {', '.join(SHAPES)}")
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if not set(args.strategies) <= set(STRATEGIES):
-        p.error(f"--strategies takes {', '.join(STRATEGIES)}, got {args.strategies}")
+    if not args.strategies or not set(args.strategies) <= set(STRATEGIES):
+        refuse(f"--strategies takes {', '.join(STRATEGIES)}, got {args.strategies}")
+    if "block" in args.strategies:
+        for name in args.shapes:
+            sublayers = 2 * SHAPES[name]["n_layer"]
+            if args.num_blocks < 1 or sublayers % args.num_blocks:
+                valid = ", ".join(str(n) for n in range(1, sublayers + 1) if sublayers % n == 0)
+                refuse(f"--num-blocks {args.num_blocks} must divide shape {name}'s {sublayers} sublayers; "
+                       f"valid values: {valid}")
+    if args.rounds < 1:
+        refuse(f"--rounds takes 1 or more (timed calls per strategy), got {args.rounds}")
+    if args.warmup < 0:
+        refuse(f"--warmup takes 0 or more, got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        refuse(f"--threads takes 1 or more (leave it out for 1 on CPU, torch's default on CUDA), got {args.threads}")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     if args.threads is None and not cuda:
         args.threads = 1
     return args
+
+
+def _device(name: str | None, refuse) -> torch.device:
+    """--device as a torch device: cpu or cuda[:N], the CUDA one only where there is one."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        refuse(f"--device takes cpu or cuda (cuda:N for one GPU), got {name!r}")
+    if device.type not in ("cpu", "cuda"):
+        refuse(f"--device takes cpu or cuda (cuda:N for one GPU), got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            refuse(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+        if (device.index or 0) >= count:
+            refuse(f"--device {name}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})")
+    return device
 
 
 #: every strategy of conf/residual/ (by its YAML's name): its class and the options this script sets

@@ -209,8 +209,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coord_check.py: --parametrizations takes standard and/or mup, got {args.parametrizations!r}",
               file=sys.stderr)
         return 2
-    if len(sizes) < 2 or min(sizes) < 1 or args.steps < 1:
-        print("coord_check.py: give at least two positive sizes and --steps 1 or more", file=sys.stderr)
+    mistake = None
+    if len(sizes) < 2:
+        mistake = f"--sizes needs at least two sizes (a slope is fitted across them), got {args.sizes}"
+    elif min(sizes) < 1:
+        mistake = f"--sizes takes positive {args.axis}s, got {min(sizes)}"
+    elif args.steps < 1:
+        mistake = f"--steps takes 1 or more (Adam steps before the activations are read), got {args.steps}"
+    elif not (math.isfinite(args.lr) and args.lr > 0):
+        mistake = f"--lr takes a positive learning rate, got {args.lr:g}"
+    elif args.fixed is not None and args.fixed < 1:
+        mistake = f"--fixed takes a positive {'depth' if args.axis == 'width' else 'width'}, got {args.fixed}"
+    if mistake:
+        print(f"coord_check.py: {mistake}", file=sys.stderr)
         return 2
     if args.axis == "width" and any(s % (2 * HEADS) for s in sizes):
         print(f"coord_check.py: widths must be multiples of {2 * HEADS} ({HEADS} heads of even size)",
