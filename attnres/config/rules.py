@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from attnres.config import margins, selectors
+from attnres.config import margins, on_demand, selectors
 from attnres.config.errors import ConfigError
 
 KERNELS = ("auto", "triton", "cpu", "torch", "naive")  # ops.dispatch.KERNELS without torch (test_rules: equal)
@@ -206,6 +206,7 @@ def validate_config(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={_show(value)} {rule.problem(value)}; {rule.wanted(key)}")
     check_top_level(cfg)
     margins.check(cfg)  # verdict.margin, verdict.margin_points: what a sweep's verdicts count as mattering
+    on_demand.check(cfg)  # seeds.*: the design of seeds on demand
     if target_of(cfg, "model") == "attnres.Transformer":
         check_model(cfg)
     if target_of(cfg, "residual").startswith("attnres."):

@@ -185,25 +185,23 @@ def describe(design: Mapping[str, Any]) -> str:
 
 def apply(comparisons: Sequence[Any], record: Mapping[str, Any]) -> Sequence[Any]:
     """Each paired comparison's interval replaced by the design's repeated interval at the look the
-    sweep is at, with a note saying so (the verdict's words follow from the interval). Comparisons
-    sharing a baseline split alpha equally (Bonferroni). A record with no design leaves them as they are."""
+    sweep is at, with a note saying so (the verdict's words follow from the interval). The K comparisons
+    sharing a baseline (`arms`) each run at alpha / K (Bonferroni). A record with no design leaves them
+    as they are."""
     design = record.get("design")
     if not design:
         return comparisons
     looks = [list(look) for look in record.get("looks", [])]
     final = bool(record.get("final"))
-    arms: dict[Any, int] = {}
-    for c in comparisons:
-        arms[c.baseline] = arms.get(c.baseline, 0) + 1
     for c in comparisons:
         if c.method != "paired t" or not c.diffs:
             continue
-        alpha = float(design["alpha"]) / arms[c.baseline]
-        interval = repeated_interval(c.diffs, looks, int(design["max"]), alpha, final)
+        arms = max(1, int(getattr(c, "arms", 1) or 1))  # verdict.compare_arms: K arms share a baseline
+        interval = repeated_interval(c.diffs, looks, int(design["max"]), float(design["alpha"]) / arms, final)
         if interval is None:
             continue
         c.ci = interval
-        share = f", alpha {float(design['alpha']):g}/{arms[c.baseline]} arms" if arms[c.baseline] > 1 else ""
+        share = f", alpha {float(design['alpha']):g}/{arms} arms" if arms > 1 else ""
         c.notes.append(f"repeated {100 * (1 - float(design['alpha'])):g}% interval of the sequential design at "
                        f"look {len(look_sizes(c.diffs, looks))}{share}: valid whichever look the sweep stopped at")
     return comparisons

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import atomic_write, read_json, write_json
 from attnres.config.naming import split_overrides
-from attnres.results import summary_figure, task_verdicts, verdict
+from attnres.results import sequential, summary_figure, task_verdicts, verdict
 
 COLUMNS = ["job", "config", "residual", "num_blocks", "seed", "status", "val/loss", "val/bpb", "val/accuracy",
            "tokens_per_sec", "peak_memory_gib", "parameters", "wall_time_s", "slot", "error", *verdict.COLUMNS]
@@ -290,11 +290,13 @@ def margin_from_runs(rows: list[dict[str, Any]]) -> verdict.Margin:
     return verdict.Margin()
 
 
-def attach_verdicts(rows: list[dict[str, Any]], metric: str, margin: verdict.Margin | None = None
-                    ) -> list[verdict.Comparison]:
+def attach_verdicts(rows: list[dict[str, Any]], metric: str, margin: verdict.Margin | None = None,
+                    record: dict[str, Any] | None = None) -> list[verdict.Comparison]:
     """The comparisons of the sweep; each row gets its configuration's verdict columns and
-    `diff`, its own difference from the baseline run of the same seed."""
+    `diff`, its own difference from the baseline run of the same seed. With seeds on demand's
+    `record` (sequential.read_record), the intervals are the design's repeated ones."""
     found = verdict.comparisons(rows, metric, margin)
+    sequential.apply(found, record or {})
     by_config = {c.label: c for c in found}
     for row in rows:
         comparison = by_config.get(row.get("config"))
@@ -336,7 +338,8 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     left_out = 0 if only is None else sum(name not in only for name in names)
     metric = primary_metric(rows)
     margin = margin or margin_from_runs(rows)
-    found = attach_verdicts(rows, metric, margin)
+    record = sequential.read_record(sweep_dir)  # seeds on demand: the design's intervals
+    found = attach_verdicts(rows, metric, margin, record)
     task_keys = task_verdicts.attach(rows)  # eval.tasks: one more column and verdict per task metric
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, *task_keys], extrasaction="ignore")
@@ -348,6 +351,8 @@ def write_sweep_summary(sweep_dir: str | Path, *more_dirs: Path, title: str | No
     lines = [f"# Sweep {title or sweep_dir.name}", "", "## Verdicts", "", verdict_intro(metric, margin), ""]
     lines += [f"- {line}" for line in verdict_lines(found, rows)]
     lines += [f"- {c.sentence()}" for c in task_verdicts.comparisons(rows, task_keys, margin)]
+    if record.get("stopped"):  # seeds on demand: where the sweep stopped, and why
+        lines += ["", f"Seeds on demand: {record['stopped']} ({sequential.describe(record['design'])})."]
     lines += ["", "## Jobs", "",
               f"{total}{': ' + counts if counts else ''}. The job column lists the overrides that differ; "
               f"diff is the run's {metric} minus its baseline's at the same seed.", ""]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from attnres.atomic import atomic_write
-from attnres.results import tuning, verdict
+from attnres.results import sequential, tuning, verdict
 from attnres.results.summary import (
     COLUMNS,
     _fmt,
@@ -110,6 +110,8 @@ def write_tuned_summary(sweep_dir: str | Path, title: str | None = None, margin:
     metric = primary_metric(list(rows.values())) if rows else state.get("signature", {}).get("metric", "val/loss")
     margin = margin or margin_from_runs(list(rows.values()))
     tuned, shared = _compare(state, rows, "jobs", metric, margin), _compare(state, rows, "untuned_jobs", metric, margin)
+    for found in (tuned, shared):  # seeds on demand: the design's repeated intervals
+        sequential.apply(found, sequential.read_record(sweep_dir))
     text = lines(state, tuned, shared)
     title = title or sweep_dir.name
     seeds = ", ".join(map(str, state.get("tuning_seeds", [])))
@@ -222,3 +224,12 @@ def _draw(sweep_dir: Path, state: Mapping[str, Any], tuned: Sequence[verdict.Com
                   f"written; redraw with attnres-summarize {sweep_dir}", file=sys.stderr, flush=True)
             continue
         atomic_write(sweep_dir / name, lambda f, b=buffer: f.write(b.getvalue()))
+
+
+def tuned_comparisons(sweep_dir: str | Path, state: Mapping[str, Any], margin: verdict.Margin | None = None
+                      ) -> list[verdict.Comparison]:
+    """The tuned verdict's comparisons on the verdict runs so far (seeds on demand reads them at each look)."""
+    jobs = {j for a in state.get("arms", []) for j in (a.get("jobs") or {}).values()}
+    rows = _rows_by_job(Path(sweep_dir), jobs)
+    metric = primary_metric(list(rows.values())) if rows else state.get("signature", {}).get("metric", "val/loss")
+    return _compare(state, rows, "jobs", metric, margin or margin_from_runs(list(rows.values())))

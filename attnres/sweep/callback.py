@@ -12,10 +12,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import DISK_FULL, WRITE_ERRORS
 from attnres.config.errors import user_errors
-from attnres.results import task_verdicts, tuning, verdict
+from attnres.results import sequential, task_verdicts, tuning, verdict
 from attnres.results.summary import format_counts, primary_metric, terminal_table, verdict_lines, write_sweep_summary
 from attnres.results.tuned_summary import write_tuned_summary
-from attnres.sweep import plan
+from attnres.sweep import on_demand, plan
 from attnres.sweep.plan import folder_key, no_jobs_error, record_outcome, sweep_jobs
 from attnres.sweep.slots import lock_sweep_dir
 
@@ -46,9 +46,14 @@ class SweepSummary(Callback):
             else:
                 this_sweep = sweep_jobs.get(folder_key(sweep_dir)) or None  # not the earlier sweeps' in the folder
                 rows = write_sweep_summary(sweep_dir, only=this_sweep, margin=margin)
-                lines = verdict_lines(verdict.comparisons(rows, primary_metric(rows), margin), rows)
+                found = verdict.comparisons(rows, primary_metric(rows), margin)
+                sequential.apply(found, sequential.read_record(sweep_dir))  # seeds on demand: the design's intervals
+                lines = verdict_lines(found, rows)
                 lines += task_verdicts.lines(rows, margin)  # eval.tasks: a verdict per strategy and task metric
                 heads = [f"verdict: {line}" for line in lines]
+            if (stopped := on_demand.summary_line(sweep_dir)) is not None:  # which look it stopped at, and why
+                lines.append(stopped)
+                heads.append(stopped)
         except OSError as err:  # a full disk as the sweep ends: the jobs' results are whole, the summary waits
             if err.errno not in WRITE_ERRORS:
                 raise

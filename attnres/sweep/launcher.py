@@ -22,6 +22,7 @@ from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_joblib_launcher._core import launch as joblib_launch
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
 
+from attnres.sweep import on_demand
 from attnres.sweep.plan import AttnresLauncher, plan_jobs
 from attnres.sweep.slots import (
     SLOTS_ENV,
@@ -63,6 +64,10 @@ class ParallelLauncher(AttnresLauncher, JoblibLauncher):
 
     def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
                 initial_job_idx: int) -> Sequence[JobReturn]:
+        return on_demand.launch(self, sweep_dir, job_overrides, initial_job_idx, self._launch_batch)  # seeds.on_demand
+
+    def _launch_batch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
+                      initial_job_idx: int) -> Sequence[JobReturn]:
         gpus = visible_gpus()
         slots = plan_slots(gpus, self.jobs_per_gpu, self.cpu_jobs, self.gpus_per_job)
         self.lock_dir = self.lock_dir or default_lock_dir(cpu_only=not gpus)

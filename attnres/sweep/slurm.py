@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError
-from attnres.sweep import slurm_job
+from attnres.sweep import on_demand, slurm_job
 from attnres.sweep.plan import AttnresLauncher, holds_run, plan_jobs, read_status
 from attnres.sweep.slurm_job import MARKER, PREEMPT_SIGNALS
 from attnres.sweep.slurm_resources import fit_groups, read_partition, run_command
@@ -71,6 +71,10 @@ class SlurmLauncher(AttnresLauncher, SubmititSlurmLauncher):
 
     def _launch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
                 initial_job_idx: int) -> Sequence[JobReturn]:
+        return on_demand.launch(self, sweep_dir, job_overrides, initial_job_idx, self._launch_batch)  # seeds.on_demand
+
+    def _launch_batch(self, sweep_dir: Path, job_overrides: Sequence[Sequence[str]],
+                      initial_job_idx: int) -> Sequence[JobReturn]:
         partition = read_partition(self.params.get("partition"))
         groups: list[tuple[list[int], dict[str, Any]]] = []
 

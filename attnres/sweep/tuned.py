@@ -37,7 +37,7 @@ from attnres.atomic import read_json
 from attnres.config.errors import ConfigError, user_errors
 from attnres.results import tuning
 from attnres.results.summary import config_labels, overrides_by_key
-from attnres.sweep import plan, stopping, tuned_proxy
+from attnres.sweep import on_demand, plan, stopping, tuned_proxy
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,7 @@ class TunedSweeper(Sweeper):
             if not jobs:
                 raise plan.no_jobs_error(self.config)
             self.check(jobs)
+            on_demand.check_tuned(self, jobs)  # seeds.on_demand: its seeds are no tuning seed
             state = self.start_state(sweep_dir, jobs)
         fresh = not tuning.state_path(sweep_dir).is_file()
         if fresh or self.config.get("resume") or self.config.get("overwrite"):  # else the launcher refuses first
@@ -194,7 +195,7 @@ class TunedSweeper(Sweeper):
             done = optuna_search(self, sweep_dir, state)
         if not done:  # stopped (Ctrl-C, SIGTERM): the summary says how far it got
             return None
-        self.verdict_stage(sweep_dir, state)
+        on_demand.tuned_looks(self, sweep_dir, state)  # the verdict stage, once or (seeds.on_demand) once a look
         return None
 
     def start_state(self, sweep_dir: Path, jobs: list[list[str]]) -> dict[str, Any]:
@@ -337,6 +338,8 @@ class TunedSweeper(Sweeper):
                         arm["untuned_jobs"][str(seed)] = name
         state["stage"] = "verdict"
         tuning.write_state(sweep_dir, state)
+        launched = plan.sweep_jobs.get(plan.folder_key(sweep_dir)) or {}  # seeds on demand: a look's new seeds alone
+        batch = [job for job in batch if self.run_dir(job)[0] not in launched]
         if batch:
             log.info(f"tuned sweep: verdict, {len(batch)} runs")
             self.launch(batch)
