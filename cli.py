@@ -11,6 +11,7 @@ In a source checkout this file sits beside the `attnres` package; in a wheel it 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -85,6 +86,12 @@ def main(checked: bool = False) -> None:
         with user_errors():
             print(job_config(sys.argv[3:]), end="")
         return
+    from attnres.config import naming
+
+    if {"-m", "--multirun"} & set(sys.argv[1:]):  # the job folders lead with what differs between them
+        naming.set_swept_keys(sys.argv[1:])
+    else:
+        os.environ.pop(naming.SWEPT_ENV, None)  # a run alone, even one started from a sweep's job
     _hydra_main()
     from attnres.sweep import plan
 

@@ -1,7 +1,10 @@
 """Run folder names: `${attnres.run_id:${hydra.job.override_dirname}}` in conf/config.yaml, for
 single runs (`hydra.run.dir`) and sweep jobs (`hydra.sweep.subdir`) alike.
 
-A name is one flat folder: the overrides as given (`num_blocks=8,residual=block`), except that
+A name is one flat folder: the overrides as given (`num_blocks=8,residual=block`), led by the keys
+a sweep varies (`SWEPT_ENV`: `residual=block,seed=1,model.n_layer=2,num_blocks=2` for
+`-m residual=standard,block seed=0,1,2 model.n_layer=2 num_blocks=2`, so that TensorBoard's run
+list, which cuts long names, shows what differs between the runs first), except that
 a value holding a path (`data.path=/data/a/corpus.txt`) becomes its last part plus a short hash
 of the whole value (`data.path=corpus.txt-3f2a9c1e`), and a name longer than `MAX_BYTES` is
 cut and ends with a hash of the whole. The same overrides always give the same name.
@@ -13,6 +16,7 @@ every process that composes or runs a job has it.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 
 from omegaconf import OmegaConf
@@ -45,6 +49,35 @@ def split_overrides(name: str) -> list[str]:
     return NEXT_OVERRIDE.split(name)
 
 
+#: the keys the sweep of this process varies, comma-separated, in the command line's order: set by
+#: `attnres-run -m` before Hydra plans the jobs (`set_swept_keys`), inherited by the sweep's workers
+SWEPT_ENV = "ATTNRES_SWEPT_KEYS"
+
+
+def swept_keys(overrides: list[str]) -> list[str]:
+    """The keys (as run folder names write them) that command-line overrides sweep: `a,b`, range(),
+    choice(), glob(). Hydra's own parser reads them, as the sweeper will."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("-")])
+    except Exception:  # noqa: BLE001  (a malformed override: Hydra refuses it in its own words later)
+        return []
+    return [o.get_key_element().lstrip("+~").replace("/", ".") for o in parsed if o.is_sweep_override()]
+
+
+def set_swept_keys(overrides: list[str]) -> None:
+    """Lead every job folder of this process's sweep with the keys `overrides` sweep."""
+    os.environ[SWEPT_ENV] = ",".join(swept_keys(overrides))
+
+
+def _leading(items: list[str]) -> list[str]:
+    """`items` (key=value) with the swept keys first, in the command line's order; the rest as they were."""
+    swept = [k for k in os.environ.get(SWEPT_ENV, "").split(",") if k]
+    rank = {key: i for i, key in enumerate(swept)}
+    return sorted(items, key=lambda item: rank.get(item.partition("=")[0].lstrip("+~"), len(rank)))
+
+
 def run_id(override_dirname: str) -> str:
     """The folder name of a run from Hydra's `override_dirname` ("defaults" when empty)."""
     if not override_dirname:
@@ -53,7 +86,7 @@ def run_id(override_dirname: str) -> str:
     for item in split_overrides(override_dirname):
         key, sep, value = item.partition("=")
         items.append(f"{key.replace('/', '.')}{sep}{_flat(value)}" if sep else _flat(item))
-    name = ",".join(items)
+    name = ",".join(_leading(items))
     if name.startswith("."):  # never a hidden folder, nor "." or ".."
         name = "_" + name
     if len(name.encode()) > MAX_BYTES:

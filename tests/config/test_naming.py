@@ -41,3 +41,21 @@ def test_a_tracker_or_thread_count_does_not_change_the_folder():
             folders.append(run_id(",".join(kept)))
         GlobalHydra.instance().clear()
     assert len(set(folders)) == 1 and folders[0] == "residual=block,seed=1", folders
+
+
+def test_a_sweeps_folders_lead_with_what_differs(monkeypatch):
+    """Issue "The first hour, round two", item 7: TensorBoard's run list showed six identical
+    `model.n_layer=2,num_blocks=2,residua...` names for a sweep over residual and seed."""
+    from attnres.config import naming
+
+    command = ["-m", "residual=standard,block", "seed=range(3)", "model.n_layer=2", "num_blocks=2",
+               "experiment/paper_ablation@_global_=a,b", "+x=1"]
+    assert naming.swept_keys(command) == ["residual", "seed", "experiment.paper_ablation@_global_"]
+    dirname = "model.n_layer=2,num_blocks=2,residual=block,seed=1"
+    monkeypatch.delenv(naming.SWEPT_ENV, raising=False)
+    assert naming.run_id(dirname) == dirname  # a run alone: Hydra's order
+    naming.set_swept_keys(command)
+    assert naming.run_id(dirname) == "residual=block,seed=1,model.n_layer=2,num_blocks=2"
+    names = {naming.run_id(f"model.n_layer=2,num_blocks=2,residual={r},seed={s}")[:30]
+             for r in ("standard", "block") for s in range(3)}
+    assert len(names) == 6  # distinct within the 30 characters a narrow run list shows
