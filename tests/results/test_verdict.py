@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -79,8 +81,8 @@ def test_one_seed_gives_no_interval():
     c = verdict.compare([run(0, 1.9)], [run(0, 2.0)], "val/bpb", "full", "standard")
     assert c.method == "one pair" and c.ci is None and c.mean == pytest.approx(-0.1)
     assert c.verdict == "not resolved: 1 seed gives no interval"
-    assert c.sentence().startswith("full vs standard: not resolved: 1 seed gives no interval, -0.1000 val/bpb on seed 0 "
-                                   "(lower is better; margin 0.0100 = 0.5% of the baseline)"), c.sentence()
+    assert c.sentence().startswith("full vs standard: not resolved: 1 seed gives no interval, -0.1000 val/bpb on "
+                                   "seed 0 (lower is better; margin 0.0100 = 0.5% of the baseline)"), c.sentence()
 
 
 def test_no_baseline_is_said():
@@ -171,6 +173,12 @@ def test_a_real_sweep_ends_with_verdicts_a_csv_and_a_plot(shared_sweep):
     assert len(verdicts) == 1 and verdicts[0].startswith("verdict: block vs standard: "), result.stdout
     # 6 steps each: too short to measure tokens/s after warm-up, so no ratio, and the line says why
     assert "paired t, 2 seeds" in verdicts[0] and "x peak memory" in verdicts[0]
+    # two seeds: never a winner, whatever the interval
+    assert verdicts[0].startswith("verdict: block vs standard: not resolved: 2 seeds barely estimate the spread")
+    for job in (d for d in sweep.iterdir() if (d / "metrics.json").is_file()):  # each run's load while it trained
+        load = json.loads((job / "metrics.json").read_text())["machine_load"]
+        assert load["cpu_count"] == os.cpu_count() and len(load["samples_1min"]) >= 2, load
+        assert load["max_1min"] == max(v for _, v in load["samples_1min"])
     assert verdicts[0].endswith(verdict.NO_TOKENS_PER_SEC) and "x tokens/s" not in verdicts[0]
     summary = (sweep / "summary.md").read_text()
     assert "## Verdicts" in summary and verdicts[0].removeprefix("verdict: ") in summary
