@@ -201,6 +201,7 @@ def apply(comparisons: Sequence[Any], record: Mapping[str, Any]) -> Sequence[Any
         if interval is None:
             continue
         c.ci = interval
+        c.p_value = c.p_holm = c.tost_p = None  # fixed-n tests, not valid after looks: the design's interval decides
         share = f", alpha {float(design['alpha']):g}/{arms} arms" if arms > 1 else ""
         c.notes.append(f"repeated {100 * (1 - float(design['alpha'])):g}% interval of the sequential design at "
                        f"look {len(look_sizes(c.diffs, looks))}{share}: valid whichever look the sweep stopped at")

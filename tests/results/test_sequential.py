@@ -73,12 +73,13 @@ def test_apply_replaces_the_interval_with_the_repeated_one_and_says_so():
     record = {"design": {"first": 0, "start": 3, "batch": 2, "max": 10, "alpha": 0.05},
               "looks": [[0, 1, 2], [3, 4]], "final": False}
     c = Comparison(label="block", baseline="standard", metric="val/loss", method="paired t", n=5,
-                   mean=float(np.mean(list(diffs.values()))), ci=(-1.0, 1.0), diffs=diffs)
+                   mean=float(np.mean(list(diffs.values()))), ci=(-1.0, 1.0), p_value=0.01, tost_p=0.02, diffs=diffs)
     sequential.apply([c], record)
     values = list(diffs.values())
     half = sequential.t_multipliers([3, 5], 10, 0.05)[-1] * np.std(values, ddof=1) / math.sqrt(5)
     assert c.ci == pytest.approx((np.mean(values) - half, np.mean(values) + half), rel=1e-12)
     assert "repeated 95% interval of the sequential design at look 2" in c.sentence()
+    assert c.p_value is None and c.tost_p is None  # a fixed-n test's p is not valid after looks
     untouched = Comparison(label="full", baseline="standard", metric="val/loss", method="one pair", n=1,
                            mean=0.1, diffs={0: 0.1})
     sequential.apply([untouched], record)
