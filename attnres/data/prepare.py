@@ -231,6 +231,10 @@ def prepare(src: str, out_dir: str, vocab_size: int | None = None, tokenizer: st
         tok = train_tokenizer(tasks, vocab_size, text_field, train_bytes)
     trained_s = time.perf_counter() - t0
     vocab = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None and vocab < vocab_size:  # BPE stops when no pair of tokens is left to merge
+        log.warning("the vocabulary has %s tokens, not the %s asked for: the training text has no more pairs to "
+                    "merge; a larger corpus gives more, or pass --vocab-size %d to ask for what it has",
+                    f"{vocab:,}", f"{vocab_size:,}", vocab)
     eot_id = next((tok.token_to_id(t) for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), None)
     if eot_id is None:
         log.warning("the tokenizer has no end-of-text token (%s): documents are concatenated without one",

@@ -282,3 +282,20 @@ def test_a_killed_prepare_leaves_no_worker_and_the_next_run_no_hidden_folder(tmp
 
     remove_stale(out)  # what the next run into `out` does first
     assert not list(out.glob(".prepare-*.tmp"))
+
+
+def test_a_vocabulary_smaller_than_asked_is_said(tmp_path, caplog):
+    """Issue "The first hour, round two", item 8: --vocab-size 32768 on a small corpus gave 7,073
+    tokens without a word."""
+    src = corpus(tmp_path / "src")
+    with caplog.at_level("WARNING", logger=prep.log.name):
+        meta = run(src, tmp_path / "out", vocab_size=32768, workers=1)
+    assert meta["vocab_size"] < 32768
+    said = [r.getMessage() for r in caplog.records if "asked for" in r.getMessage()]
+    assert said == [f"the vocabulary has {meta['vocab_size']:,} tokens, not the 32,768 asked for: the training text "
+                    f"has no more pairs to merge; a larger corpus gives more, or pass --vocab-size "
+                    f"{meta['vocab_size']} to ask for what it has"], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=prep.log.name):
+        run(src, tmp_path / "fits", vocab_size=300, workers=1)
+    assert not [r for r in caplog.records if "asked for" in r.getMessage()]
