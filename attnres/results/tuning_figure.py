@@ -1,7 +1,11 @@
 """The search of a tuned sweep as a figure (tuning.png, and the right of its summary.png): for each
 arm, the selection metric against each searched value, one point per tuning seed, their mean as a
 line, the chosen value starred; a grid that grew at an edge shows its added points, and a choice
-still on the edge is drawn hollow and named in the legend."""
+still on the edge is drawn hollow (white inside, ringed) and named in the legend.
+
+Arms whose means nearly coincide (standard and Block within 0.001 of each other) would draw one line
+over the other, so that one arm looked never run: each arm gets its own line style and marker, and
+its points are set a little aside from the others' (`DODGE` of a grid step, on the log axis)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,17 @@ def search_keys(state: Mapping[str, Any]) -> list[str]:
     return keys
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P")
+DODGE = 0.12  # each arm's points set aside by this share of a factor-2 grid step (log x), centred on the value
+
+
+def arm_styles(count: int) -> list[tuple[str, str, float]]:
+    """(line style, marker, x factor) of each of `count` arms: no two alike, the offsets centred on 1."""
+    return [(LINE_STYLES[i % len(LINE_STYLES)], MARKERS[i % len(MARKERS)], 2 ** (DODGE * (i - (count - 1) / 2)))
+            for i in range(count)]
+
+
 def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
     """One panel per searched key: each arm's trials (points), their mean (line), the choice (star)."""
     metric = state.get("signature", {}).get("metric", "val/loss")
@@ -34,10 +49,12 @@ def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
     seeds = state.get("tuning_seeds", [])
     groups = state.get("groups", [])
     colours = dict(zip([g["label"] for g in groups], strategy_colours([g["label"] for g in groups]), strict=True))
+    styles = dict(zip([g["label"] for g in groups], arm_styles(len(groups)), strict=True))
     for ax, key in zip(axes, search_keys(state), strict=False):
         ticks: set[float] = set()
         for group in groups:
             colour = colours[group["label"]]
+            style, marker, aside = styles[group["label"]]
             trials = [t for t in group.get("trials", []) if key in (t.get("values") or {})]
             if not trials:
                 continue
@@ -45,24 +62,26 @@ def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
             ticks.update(xs.tolist())
             ys = np.array([tuning.trial_value(t) for t in trials])
             finite = np.isfinite(ys)
-            ax.scatter(xs[finite], ys[finite], s=14, color=colour, alpha=0.55, zorder=3)
+            ax.scatter(xs[finite] * aside, ys[finite], s=14, color=colour, alpha=0.55, zorder=3, marker=marker)
             if (~finite).any():  # a diverged or failed trial: a cross at the panel's top
-                ax.scatter(xs[~finite], np.full((~finite).sum(), np.nan), marker="x", color=colour)
+                ax.scatter(xs[~finite] * aside, np.full((~finite).sum(), np.nan), marker="x", color=colour)
             means = tuning.point_means(trials, seeds)
             points = sorted(means, key=lambda p: _x(trials, p, key))
-            line = [(_x(trials, p, key), means[p]) for p in points if math.isfinite(means[p])]
+            line = [(_x(trials, p, key) * aside, means[p]) for p in points if math.isfinite(means[p])]
             label = group["label"]
             chosen = group.get("chosen")
             if chosen is not None and any(t["point"] == chosen for t in trials):
                 cx, cy = _x(trials, chosen, key), means.get(chosen)
                 edge = group.get("edge") if group.get("edge_key") in (None, key) else None
                 hollow = edge is not None
-                ax.scatter([cx], [cy], marker="*", s=170, zorder=5, edgecolors=colour,
-                           facecolors="none" if hollow else colour, linewidths=1.4)
+                # hollow: white inside (an unfilled star showed the line through it and read as filled)
+                ax.scatter([cx * aside], [cy], marker="*", s=240 if hollow else 170, zorder=5, edgecolors=colour,
+                           facecolors="white" if hollow else colour, linewidths=2.0 if hollow else 1.4)
                 label += f": {tuning.format_value(cx)}" + (f" (at the {'upper' if edge == 'up' else 'lower'} "
                                                             "edge)" if hollow else "")
             if line and grid:
-                ax.plot(*zip(*line, strict=True), color=colour, linewidth=1.6, label=label, zorder=4)
+                ax.plot(*zip(*line, strict=True), color=colour, linewidth=1.6, label=label, zorder=4, linestyle=style,
+                        marker=marker, markersize=4, markerfacecolor="white")
             elif line:  # a trial's mean over seeds; no line: neighbouring trials differ in the other keys too
                 ax.scatter(*zip(*line, strict=True), color=colour, s=36, marker="D", label=label, zorder=4)
         ax.set_xscale("log")
