@@ -111,6 +111,9 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "mlp": Rule("choice", choices=("gelu", "swiglu")), "norm_eps": Rule("number", 0, open_low=True, example=1e-6),
         "init_std": Rule("number", 0, open_low=True, example=0.02),
         "mlp_hidden": Rule("int", 1, nullable=True, example=256),
+        "parametrization": Rule("choice", choices=("standard", "mup")),  # attnres.parametrization.PARAMETRIZATIONS
+        "base_width": Rule("int", 1, nullable=True, example=32), "base_depth": Rule("int", 1, nullable=True, example=2),
+        "base_n_head": Rule("int", 1, nullable=True, example=2), "depth_alpha": Rule("number", 0, 1, example=1.0),
     },
     ("residual", ("attnres.",)): {
         "eps": Rule("number", 0, open_low=True, example=1e-6), "key_norm_gain": BOOL, "output_aggregation": BOOL,
@@ -283,6 +286,24 @@ def check_model(cfg: DictConfig) -> None:
             f"model.n_embd={n_embd} must split into model.n_head={n_head} heads of an even size "
             f"(a multiple of 2 * n_head = {2 * n_head}); set e.g. model.n_embd={good}"
         )
+    _check_mup_base(cfg)
+
+
+def _check_mup_base(cfg: DictConfig) -> None:
+    """muP's base (attnres.parametrization): its keys belong to parametrization=mup, and its width
+    splits into its heads as the model's does; checked here so the run stops before its start line."""
+    base = {k: value_at(cfg, f"model.{k}") for k in ("base_width", "base_depth", "base_n_head")}
+    given = [k for k, v in base.items() if v not in (ABSENT, None)]
+    if value_at(cfg, "model.parametrization") == "standard" and given:
+        raise ConfigError(f"model.{given[0]}={_show(base[given[0]])} belongs to model.parametrization=mup; "
+                          f"add model.parametrization=mup, or leave model.{given[0]} null")
+    width, heads = base["base_width"], base["base_n_head"]
+    heads = value_at(cfg, "model.n_head") if heads in (ABSENT, None) else heads
+    if _is_int(width) and _is_int(heads) and heads >= 1 and (width % heads or (width // heads) % 2):
+        named = "model.base_n_head" if base["base_n_head"] not in (ABSENT, None) else "model.n_head"
+        good = math.ceil(width / (2 * heads)) * 2 * heads
+        raise ConfigError(f"model.base_width={width} must split into {named}={heads} heads of an even size; "
+                          f"set e.g. model.base_width={good}, or model.base_n_head to a divisor")
 
 
 def check_residual(cfg: DictConfig) -> None:

@@ -28,8 +28,19 @@ def state_path(sweep_dir: Path) -> Path:
 
 
 def read_state(sweep_dir: Path) -> dict[str, Any]:
+    """The state file; during the search (or after its sweep died in it) each trial's outcome as its
+    run folder says now: the file is written between batches, the trials end one by one."""
     found = read_json(state_path(sweep_dir))
-    return found if isinstance(found, dict) else {}
+    if not isinstance(found, dict):
+        return {}
+    if found.get("stage") == "search":
+        metric = (found.get("signature") or {}).get("metric", "val/loss")
+        for group in found.get("groups", []):
+            for trial in group.get("trials", []):
+                if trial.get("job") and trial.get("status") not in ("finished", "diverged"):
+                    folder = Path(sweep_dir) / (trial.get("same_as") or trial["job"])
+                    trial.update(trial_outcome(read_json(folder / "metrics.json"), metric))
+    return found
 
 
 def write_state(sweep_dir: Path, state: Mapping[str, Any]) -> None:
@@ -54,6 +65,24 @@ def changed_fields(before: Mapping[str, Any], now: Mapping[str, Any], prefix: st
 
 def _short(value: Any) -> str:
     return "unset" if value is None else str(value).replace(" ", "")
+
+
+#: outcomes of a trial that the search scores (a non-finite loss is the worst); any other (killed,
+#: out of memory, an error, unfinished) says nothing of its values: it runs again, or the search stops
+SCORED = ("finished", "diverged")
+
+
+def trial_outcome(metrics: Mapping[str, Any], metric: str) -> dict[str, Any]:
+    """{status, value, error} of a trial from its metrics.json: "finished" with a finite `metric`,
+    "diverged" (a non-finite loss or metric), "no metric", or the run's own status ("failed",
+    "interrupted", ...; "unfinished" when it wrote none)."""
+    value = (metrics.get("metrics") or {}).get(metric)
+    status = metrics.get("status") or "unfinished"
+    if status == "finished" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        status = "no metric" if value is None else "diverged"
+    if status == "failed" and "non-finite" in str(metrics.get("error", "")):
+        status = "diverged"
+    return {"status": status, "value": value if status == "finished" else None, "error": metrics.get("error")}
 
 
 # -- values ------------------------------------------------------------------------------------------

@@ -155,6 +155,9 @@ OK_STATUSES = ("finished", "duplicate", "diverged")  # any other status of a job
 #: (an lr too high), scored as its worst, "diverged" in the counts rather than "failed" (attnres.sweep.tuned)
 diverged: dict[str, set[str]] = {}
 summary_unwritten: list[Path] = []  # sweep folders whose summary a full disk refused (SweepSummary)
+#: sweep folders whose question found no answer though no job failed (a tuned arm all of whose trials
+#: diverged, a search stopped on a trial that failed twice): exit status 1 (attnres.sweep.tuned)
+unanswered: set[str] = set()
 
 
 def folder_key(sweep_dir: Path) -> str:
@@ -191,6 +194,6 @@ def exit_status() -> int:
             record_outcome(Path(sweep_dir))
     unfinished = sum(n for counts in outcomes.values() for status, n in counts.items()
                      if status not in OK_STATUSES)
-    return 1 if unfinished else 0
+    return 1 if unfinished or unanswered else 0
 
 

@@ -23,8 +23,8 @@ replays the same decisions; a resume whose search settings changed is refused, n
 from __future__ import annotations
 
 import logging
-import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from attnres.atomic import read_json
+from attnres.atomic import DISK_FULL, WRITE_ERRORS, read_json
 from attnres.config.errors import ConfigError, user_errors
+from attnres.config.rules import BOOL
 from attnres.results import tuning
 from attnres.results.summary import config_labels, overrides_by_key
 from attnres.sweep import on_demand, plan, stopping, tuned_proxy
@@ -42,6 +43,8 @@ from attnres.sweep import on_demand, plan, stopping, tuned_proxy
 log = logging.getLogger(__name__)
 
 TUNE_GROUP = "tune"  # the config group that picks this sweeper: not part of an arm's name
+#: what a run's metrics.json holds (attnres/training/lit.py logs them); eval.tasks adds <task>/<metric>
+RUN_METRICS = ("val/loss", "val/bpb", "val/accuracy", "train/loss", "train/bpb")
 
 
 class TunedSweeper(Sweeper):
@@ -52,10 +55,19 @@ class TunedSweeper(Sweeper):
                  baseline: str | None = None, proxy: Mapping[str, Any] | None = None, untuned: bool = False,
                  params: Mapping[str, str] | None = None) -> None:
         super().__init__()
-        grid, optuna, proxy, params = (_plain(x) for x in (grid, optuna, proxy, params))
-        self.method, self.metric, self.baseline, self.untuned = str(method), str(metric), baseline, bool(untuned)
-        self.tuning_seeds = [int(s) for s in tuning_seeds]
-        self.grid = {"keys": ["optim.optimizer.lr"], "points": 5, "factor": 2.0, "max_extend": 3, **(grid or {})}
+        grid, optuna, proxy, params, tuning_seeds = (_plain(x) for x in (grid, optuna, proxy, params, tuning_seeds))
+        # a bad setting is kept to be refused in check() (one line, exit 2, the sweep folder left as it
+        # was): raised here, Hydra would print its instantiation error
+        self.problems: list[str] = []
+        self.method, self.metric, self.baseline = str(method), str(metric), baseline
+        self.untuned = untuned is True
+        if not isinstance(untuned, bool):
+            self.problems.append(f"hydra.sweeper.untuned={untuned} {BOOL.problem(untuned)}; "
+                                 f"{BOOL.wanted('hydra.sweeper.untuned')}")
+        self.tuning_seeds = _seed_list(tuning_seeds, self.problems)
+        self.grid = {"keys": ["optim.optimizer.lr"], "points": 5, "factor": 2.0, "max_extend": 3, "centre": {},
+                     **(grid or {})}
+        self.grid["centre"] = dict(self.grid.get("centre") or {})
         self.optuna = dict(optuna or {})
         if isinstance(proxy, (list, tuple)):  # [size=194m]: overrides
             proxy = dict(str(o).split("=", 1) for o in proxy if "=" in str(o))
@@ -66,6 +78,7 @@ class TunedSweeper(Sweeper):
         self.hydra_context: Any = None
         self.launcher: Any = None
         self.job_idx = 0
+        self.incomplete: list[str] = []  # trials that failed twice (launch_trials): the search stops unchosen
         self._composed: dict[tuple[str, ...], DictConfig] = {}
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
@@ -78,7 +91,8 @@ class TunedSweeper(Sweeper):
     # -- the plan --------------------------------------------------------------------------------------
     def signature(self) -> dict[str, Any]:
         """What defines the search (tuning.SEARCH_FIELDS): a resume must not change it."""
-        grid = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.grid.items()}
+        grid = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.grid.items()
+                if k != "centre" or v}  # no centre given: as the sweeps started before grid.centre recorded it
         space = self.optuna
         return {"method": self.method, "metric": self.metric, "tuning_seeds": self.tuning_seeds,
                 "grid": grid if self.method == "grid" else None, "optuna": space if self.method == "optuna" else None,
@@ -110,6 +124,8 @@ class TunedSweeper(Sweeper):
 
     def check(self, jobs: list[list[str]]) -> None:
         """The refusals before anything runs, each one line (exit 2)."""
+        if self.problems:
+            raise ConfigError(self.problems[0])
         if self.method not in ("grid", "optuna"):
             raise ConfigError(f"hydra.sweeper.method={self.method} is not a search method; use grid or optuna")
         if not self.tuning_seeds:
@@ -134,22 +150,53 @@ class TunedSweeper(Sweeper):
             if not self.grid["keys"]:
                 raise ConfigError("hydra.sweeper.grid.keys is empty; name the keys to search, "
                                   "e.g. hydra.sweeper.grid.keys=[optim.optimizer.lr]")
+            for key, value in self.grid["centre"].items():
+                if key not in self.grid["keys"]:
+                    raise ConfigError(f"hydra.sweeper.grid.centre names {key}, which the grid does not search; "
+                                      f"centre one of hydra.sweeper.grid.keys={list(self.grid['keys'])}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ConfigError(f"hydra.sweeper.grid.centre.{key}={value} must be a number above 0 (the "
+                                      "value in the grid's middle), e.g. hydra.sweeper.grid.centre={" + key +
+                                      ":0.001}")
         if self.method == "optuna":
             from attnres.sweep.tuned_optuna import check_settings
 
             check_settings(self)
+        self.check_proxy_keys()
         if tuned_proxy.fractions(self.proxy_settings):
             for key in (k for job in jobs for k in overrides_by_key(job)):
                 if key.lstrip("+~") in tuned_proxy.TARGET_KEYS:
                     raise ConfigError(f"{key} is set by hydra.sweeper.proxy's width or depth fraction (the proxy is "
                                       f"every job's muP base); leave {key}=... out")
         searched = self.searched_keys()
+        groups = set(self.config.hydra.runtime.choices or {})
         for job in jobs:
             for key in overrides_by_key(job):
+                if key.lstrip("+~") in groups:
+                    continue  # optim=adamw,muon picks configs, each with its own value to centre on
                 if key.lstrip("+~") in searched or any(key.startswith(f"{k}.") or k.startswith(f"{key}.")
                                                        for k in searched):
                     raise ConfigError(f"{key} is both searched (hydra.sweeper) and set on the command line; "
-                                      f"leave {key}=... out, or search other keys")
+                                      f"leave {key}=... out, or search other keys (hydra.sweeper.grid.centre="
+                                      "{" + f"{key.lstrip('+~')}:VALUE" + "} centres the grid on a value)")
+
+    def check_proxy_keys(self) -> None:
+        """Each proxy key a fraction, or a config key or group the search sets: else one line with a
+        "did you mean" (`+hydra.sweeper.proxy.widht=0.25` would fail inside Hydra's composition)."""
+        import difflib
+
+        groups = set(self.config.hydra.runtime.choices or {})
+        for key in self.proxy:
+            head = key.split(".", 1)[0]
+            if key in groups or (head in self.config and OmegaConf.select(self.config, key, default=_ABSENT)
+                                 is not _ABSENT):
+                continue
+            known = [*tuned_proxy.FRACTIONS, *sorted(groups), *(str(k) for k in self.config if k != "hydra")]
+            close = difflib.get_close_matches(key, known, n=1)
+            maybe = f" (did you mean hydra.sweeper.proxy.{close[0]}?)" if close else ""
+            raise ConfigError(f"hydra.sweeper.proxy.{key} is not a proxy setting{maybe}; the proxy takes width and "
+                              "depth (fractions of the target's heads and layers) and config keys or groups the search "
+                              "alone runs with, e.g. +hydra.sweeper.proxy.size=194m")
 
     def searched_keys(self) -> list[str]:
         if self.method == "grid":
@@ -161,11 +208,40 @@ class TunedSweeper(Sweeper):
         key, _, value = re.split(r"([:=])", self.baseline or "residual=standard", maxsplit=1)
         return key.strip(), value.strip()
 
-    def is_baseline(self, overrides: Sequence[str], cfg: DictConfig) -> bool:
-        key, value = self.baseline_spec()
+    def baseline_value(self, overrides: Sequence[str], cfg: DictConfig) -> str:
+        """An arm's value of the baseline's key (a config group's choice, or a config value)."""
+        key = self.baseline_spec()[0]
         chosen = cfg.hydra.runtime.choices.get(key) if key in cfg.hydra.runtime.choices else \
             OmegaConf.select(cfg, key, default=None)
-        return str(overrides_by_key(list(overrides)).get(key, chosen)) == value
+        return str(overrides_by_key(list(overrides)).get(key, chosen))
+
+    def is_baseline(self, overrides: Sequence[str], cfg: DictConfig) -> bool:
+        return self.baseline_value(overrides, cfg) == self.baseline_spec()[1]
+
+    def check_answerable(self, arms: Sequence[Mapping[str, Any]], cfg: DictConfig) -> None:
+        """The metric is one the runs write, and a baseline given by name is an arm that others are
+        compared with: else the whole search would run to end with no verdict."""
+        import difflib
+
+        tasks = OmegaConf.select(cfg, "eval.tasks", default=None)
+        head = self.metric.split("/", 1)[0]
+        if self.metric not in RUN_METRICS and not (tasks and "/" in self.metric and head not in ("val", "train")):
+            close = difflib.get_close_matches(self.metric, RUN_METRICS, n=1)
+            maybe = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"hydra.sweeper.metric={self.metric} is not a metric the runs write{maybe}; choose one "
+                              f"of {', '.join(RUN_METRICS)} (or <task>/<metric> of eval.tasks)")
+        if self.baseline is None:
+            return
+        key, value = self.baseline_spec()
+        values = sorted({a["baseline_value"] for a in arms})
+        given = f"hydra.sweeper.baseline={self.baseline}"
+        if value not in values:
+            raise ConfigError(f"{given} matches no arm: every arm has {key}={' or '.join(values)}; name one of "
+                              f"those, e.g. hydra.sweeper.baseline={key}:{values[0]}")
+        if len(arms) > 1 and not any(a["baseline"] for a in arms):
+            raise ConfigError(f"{given}: no arm differs from it in {key} alone (every arm has {key}="
+                              f"{' or '.join(values)}); sweep {key} on the command line (e.g. {key}={value},...), or "
+                              "name the key the arms differ in, e.g. hydra.sweeper.baseline=residual:standard")
 
     def baseline_keys(self) -> tuple[str, ...]:
         key = self.baseline_spec()[0]
@@ -175,16 +251,33 @@ class TunedSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> Any:
         assert self.config is not None and self.launcher is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        with user_errors():
-            jobs = self.jobs_of(arguments)
-            if not jobs:
-                raise plan.no_jobs_error(self.config)
-            self.check(jobs)
-            on_demand.check_tuned(self, jobs)  # seeds.on_demand: its seeds are no tuning seed
-            state = self.start_state(sweep_dir, jobs)
+        try:
+            with user_errors():
+                jobs = self.jobs_of(arguments)
+                if not jobs:
+                    raise plan.no_jobs_error(self.config)
+                self.check(jobs)
+                on_demand.check_tuned(self, jobs)  # seeds.on_demand: its seeds are no tuning seed
+                state = self.start_state(sweep_dir, jobs)
+        except SystemExit:  # refused: the folder as it was (the sweep callback locked it before this sweeper ran)
+            _unlock_if_untouched(sweep_dir)
+            raise
         fresh = not tuning.state_path(sweep_dir).is_file()
         if fresh or self.config.get("resume") or self.config.get("overwrite"):  # else the launcher refuses first
             tuning.write_state(sweep_dir, state)  # the search's settings, for a resume's check, before any run
+        try:
+            self.run_stages(sweep_dir, state)
+        except OSError as err:  # a full disk mid-search: one line, as a plain sweep's; resume=true goes on
+            if err.errno not in WRITE_ERRORS:
+                raise
+            why = "disk full" if err.errno in DISK_FULL else f"cannot write ({err.strerror})"
+            print(f"attnres-run: error: {why} writing {err.filename or sweep_dir}; the finished trials and runs are "
+                  f"kept in {sweep_dir}: free some space, then run the same command with resume=true to go on",
+                  file=sys.stderr, flush=True)
+            sys.exit(2)
+        return None
+
+    def run_stages(self, sweep_dir: Path, state: dict[str, Any]) -> None:
         if self.method == "grid":
             from attnres.sweep.tuned_grid import grid_search
 
@@ -193,10 +286,20 @@ class TunedSweeper(Sweeper):
             from attnres.sweep.tuned_optuna import optuna_search
 
             done = optuna_search(self, sweep_dir, state)
+        if not done and self.incomplete:  # a trial failed twice: nothing is chosen on a search that lacks it
+            plan.unanswered.add(plan.folder_key(sweep_dir))
+            print(f"attnres-run: error: {len(self.incomplete)} trial{'s' * (len(self.incomplete) != 1)} of the "
+                  f"search failed twice (first: {self.incomplete[0]}); no arm is chosen and no verdict runs: see "
+                  "its log, then run the same command with resume=true to run it again", file=sys.stderr, flush=True)
         if not done:  # stopped (Ctrl-C, SIGTERM): the summary says how far it got
-            return None
+            return
+        unchosen = [g["label"] for g in state["groups"] if g.get("chosen") is None]
+        if unchosen:  # every trial of an arm diverged: no answer for it, a failure as a plain sweep's failed job
+            plan.unanswered.add(plan.folder_key(sweep_dir))
+            which = ", ".join(unchosen) if len(state["groups"]) > 1 else "the search"
+            print(f"attnres-run: error: no trial of {which} ended with a finite {self.metric}; nothing to choose: "
+                  "search lower values (e.g. hydra.sweeper.grid.centre) and run again", file=sys.stderr, flush=True)
         on_demand.tuned_looks(self, sweep_dir, state)  # the verdict stage, once or (seeds.on_demand) once a look
-        return None
 
     def start_state(self, sweep_dir: Path, jobs: list[list[str]]) -> dict[str, Any]:
         """The search's groups and the verdict's arms, checked against a resumed sweep's record."""
@@ -233,12 +336,19 @@ class TunedSweeper(Sweeper):
                 raise ConfigError(f"{', '.join(self.searched_keys())}: no numeric value in the config of "
                                   f"{group['label']}; search keys the config sets to a number "
                                   "(docs/sweeps.md#tuned-comparisons)")
+            if self.method == "grid" and self.grid["centre"]:  # the user's centre; the verdict's values relative
+                given = {k: v for k, v in self.grid["centre"].items() if k in group["centre"]}
+                group["centre_ratio"] = {k: v / group["centre"][k] for k, v in given.items()}
+                group["centre"].update(given)
             group["tokens_per_trial"] = _tokens(cfg)
             group["trials"] = []
+            group["initial_trials"] = len(self.tuning_seeds) * (
+                int(self.grid["points"]) if self.method == "grid" else int(self.optuna.get("trials", 12)))
         for i, arm in enumerate(arms.values()):
             arm["label"] = alabels[str(i)]
             cfg = self.compose([*arm["overrides"], f"seed={arm['seeds'][0]}"])
-            arm["is_baseline"] = self.is_baseline(arm["overrides"], cfg)
+            arm["baseline_value"] = self.baseline_value(arm["overrides"], cfg)
+            arm["is_baseline"] = arm["baseline_value"] == self.baseline_spec()[1]
             arm["group"] = groups[arm["group"]]["label"]
         drop = set(self.baseline_keys())
         for arm in arms.values():
@@ -246,6 +356,7 @@ class TunedSweeper(Sweeper):
             arm["baseline"] = None if arm["is_baseline"] else next(
                 (b["label"] for b in arms.values() if b["is_baseline"]
                  and [o for o in b["overrides"] if _key(o) not in drop] == rest), None)
+        self.check_answerable(list(arms.values()), cfg)
         state = {"signature": signature, "tuning_seeds": self.tuning_seeds,
                  "groups": list(groups.values()), "arms": list(arms.values()), "stage": "search"}
         self.announce(state)
@@ -299,17 +410,32 @@ class TunedSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         name, path = self.run_dir(overrides)
         same_as = (plan.sweep_jobs.get(plan.folder_key(sweep_dir)) or {}).get(name)
-        metrics = read_json((sweep_dir / same_as if same_as else path) / "metrics.json")
-        value = (metrics.get("metrics") or {}).get(self.metric)
-        status = metrics.get("status") or "unfinished"
-        if status == "finished" and not (isinstance(value, (int, float)) and math.isfinite(value)):
-            status = "no metric" if value is None else "diverged"
-        if status == "failed" and "non-finite" in str(metrics.get("error", "")):
-            status = "diverged"
-        if status == "diverged":
+        outcome = tuning.trial_outcome(read_json((sweep_dir / same_as if same_as else path) / "metrics.json"),
+                                       self.metric)
+        if outcome["status"] == "diverged":
             plan.diverged.setdefault(plan.folder_key(sweep_dir), set()).add(name)
-        return {"job": name, "status": status, "value": value if status == "finished" else None,
-                "error": metrics.get("error")}
+        return {"job": name, **({"same_as": same_as} if same_as else {}), **outcome}
+
+    def launch_trials(self, batch: list[list[str]]) -> bool:
+        """Run a batch of trials; a trial that failed for another reason than a non-finite loss (killed,
+        out of memory, an error) runs once more, from its checkpoint. False when the sweep was
+        stopped, or when a trial failed again (`self.incomplete` names them): nothing may be chosen
+        on a search that lacks a point."""
+        if not self.launch(batch):
+            return False
+        again = [o for o in batch if self.trial_result(o)["status"] not in tuning.SCORED]
+        if again:
+            first = self.trial_result(again[0])
+            print(f"tuned sweep: {len(again)} trial{'s' * (len(again) != 1)} failed ({first['job']}: "
+                  f"{first['error'] or first['status']}); running {'them' if len(again) > 1 else 'it'} again, once",
+                  flush=True)
+            resumed = self.config.get("overwrite") or self.config.get("resume")  # else resume=true: from its checkpoint
+            retry = again if resumed else [[*o, "resume=true"] for o in again]
+            if not self.launch(retry):
+                return False
+        self.incomplete = [self.trial_result(o)["job"] for o in again
+                           if self.trial_result(o)["status"] not in tuning.SCORED]
+        return not self.incomplete
 
     def verdict_stage(self, sweep_dir: Path, state: dict[str, Any]) -> None:
         """Stage 2: every job of the command line at its arm's choice (and, with untuned, as configured)."""
@@ -356,13 +482,53 @@ class TunedSweeper(Sweeper):
         for key in group["centre"]:
             configured = OmegaConf.select(cfg, key, default=None)
             if isinstance(configured, (int, float)) and not isinstance(configured, bool):
-                found[key] = tuning.scaled(configured, group["chosen_multiplier"])
+                ratio = (group.get("centre_ratio") or {}).get(key, 1.0)  # hydra.sweeper.grid.centre
+                found[key] = tuning.scaled(configured, group["chosen_multiplier"] * ratio)
         return found
 
 
 def _plain(value: Any) -> Any:
     """A Hydra-given DictConfig / ListConfig as plain dicts and lists (the state file is JSON)."""
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+_ABSENT = object()
+
+
+def _unlock_if_untouched(sweep_dir: Path) -> None:
+    """Drop this process's lock on a sweep folder that holds nothing else, and the folder itself with
+    the parents it made empty (up to the current folder): a refused sweep leaves nothing behind."""
+    import os
+
+    from attnres.sweep import slots
+
+    key = str(sweep_dir.resolve()) if sweep_dir.exists() else None
+    if key not in slots._sweep_locks or {p.name for p in sweep_dir.iterdir()} != {slots.SWEEP_LOCK}:
+        return
+    (sweep_dir / slots.SWEEP_LOCK).unlink(missing_ok=True)  # unlinked before it is unlocked: no one else takes it
+    os.close(slots._sweep_locks.pop(key))
+    cwd, folder = Path.cwd().resolve(), sweep_dir.resolve()
+    try:
+        folder.rmdir()
+    except OSError:
+        return
+    folder = folder.parent
+    while folder != cwd and cwd in folder.parents:  # multirun/ of multirun/<name>, when made for it
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            break
+        folder = folder.parent
+
+
+def _seed_list(value: Any, problems: list[str]) -> list[int]:
+    """`tuning_seeds` as a list of ints; a problem recorded (and the default kept) when it is not one."""
+    if isinstance(value, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in value):
+        return [int(s) for s in value]
+    shown = "[" + ",".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else value
+    problems.append(f"hydra.sweeper.tuning_seeds={shown} is not a list of integer seeds; "
+                    "e.g. hydra.sweeper.tuning_seeds=[1000,1001]")
+    return [1000, 1001]
 
 
 def _key(override: str) -> str:

@@ -22,7 +22,7 @@ def grid_search(sweeper: Any, sweep_dir: Path, state: dict[str, Any]) -> bool:
     """Stage 1 with method=grid; False when stopped."""
     points, factor, extend = int(sweeper.grid["points"]), float(sweeper.grid["factor"]), int(sweeper.grid["max_extend"])
     for group in state["groups"]:
-        group.update(extended={"down": 0, "up": 0}, initial_trials=points * len(sweeper.tuning_seeds))
+        group.update(extended={"down": 0, "up": 0})
     launched: set[tuple[str, int, int]] = set()
     while True:
         batch, pending = [], []
@@ -40,9 +40,14 @@ def grid_search(sweeper: Any, sweep_dir: Path, state: dict[str, Any]) -> bool:
             break
         if len(state["groups"]) and batch:
             log.info(f"tuned sweep: search, {len(batch)} trial runs")
-        ok = sweeper.launch(batch)
-        for group, k, seed, values, overrides in pending:
-            group["trials"].append({"point": k, "seed": seed, "values": values, **sweeper.trial_result(overrides)})
+        trials = [{"point": k, "seed": seed, "values": values, "job": sweeper.run_dir(overrides)[0],
+                   "status": "unfinished"} for group, k, seed, values, overrides in pending]
+        for (group, *_), trial in zip(pending, trials, strict=True):
+            group["trials"].append(trial)  # recorded before they run: a sweep killed mid-batch still names them
+        tuning.write_state(sweep_dir, state)
+        ok = sweeper.launch_trials(batch)
+        for (*_, overrides), trial in zip(pending, trials, strict=True):
+            trial.update(sweeper.trial_result(overrides))
         tuning.write_state(sweep_dir, state)
         if not ok:
             return False

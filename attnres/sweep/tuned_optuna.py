@@ -85,13 +85,22 @@ def check_settings(sweeper: Any) -> tuple[dict[str, dict[str, Any]], int, int, s
         raise ConfigError("tune=optuna needs Optuna, which is not installed; pip install 'attnres[tune]' "
                           "(or tune=lr, a grid without it)") from err
     space = check_space(sweeper.optuna.get("space"))
-    per_arm, batch_size = int(sweeper.optuna.get("trials", 12)), int(sweeper.optuna.get("batch", 4))
-    name, seed = str(sweeper.optuna.get("sampler", "tpe")), int(sweeper.optuna.get("seed", 0))
+    per_arm, batch_size, seed = (_integer(sweeper.optuna, key, default)
+                                 for key, default in (("trials", 12), ("batch", 4), ("seed", 0)))
+    name = str(sweeper.optuna.get("sampler", "tpe"))
     if per_arm < 1 or batch_size < 1:
         raise ConfigError(f"hydra.sweeper.optuna.trials={per_arm} and batch={batch_size} must be 1 or more")
     if name not in SAMPLERS:
         raise ConfigError(f"hydra.sweeper.optuna.sampler={name} is not one of {', '.join(SAMPLERS)}")
     return space, per_arm, batch_size, name, seed
+
+
+def _integer(settings: Mapping[str, Any], key: str, default: int) -> int:
+    value = settings.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"hydra.sweeper.optuna.{key}={value} is not an integer; e.g. hydra.sweeper.optuna.{key}="
+                          f"{default}")
+    return value
 
 
 def optuna_search(sweeper: Any, sweep_dir: Path, state: dict[str, Any]) -> bool:
@@ -133,13 +142,13 @@ def optuna_search(sweeper: Any, sweep_dir: Path, state: dict[str, Any]) -> bool:
                 pending.append((group, number, values, runs))
         if not batch:
             break
-        ok = sweeper.launch(batch)
+        ok = sweeper.launch_trials(batch)
         for group, number, values, runs in pending:
             results = [{"point": number, "seed": s, "values": values, **sweeper.trial_result(o)}
                        for s, o in zip(seeds, runs, strict=True)]
             group["trials"] += results
-            if not ok and any(r["status"] == "unfinished" for r in results):
-                continue  # stopped mid-trial: it stays asked, and a resume runs it again
+            if not ok and any(r["status"] not in tuning.SCORED for r in results):
+                continue  # stopped mid-trial, or failed twice: it stays asked, and a resume runs it again
             scores = [tuning.trial_value(r) for r in results]
             mean = math.inf if any(map(math.isinf, scores)) else sum(scores) / len(scores)
             studies[group["label"]].tell(number, mean)
