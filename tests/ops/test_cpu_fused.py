@@ -211,3 +211,44 @@ def test_a_build_says_when_it_is_done_and_how_long_it_took(fresh_state, tmp_path
         (lock.parent / f"{lock.parent.name}.so").write_text("")
     cpu_fused._build()  # already built: a later process says nothing
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 100], ids=lambda d: f"D{d}")
+def test_compile_time_widths_match_the_reference(d, rel_err):
+    """The forward runs float32 rows of D 32, 64, 96 and 128 with the width a compile-time constant
+    (`dispatch_width` in the C++ source), any other D with it read at run time (D 100 here): each
+    against the float64 reference, value and gradient, with the fused output norm, and with K = 5
+    queries over a prefix (the phase-2 merge: a group of 4 queries and one of 1)."""
+    from attnres.functional import completed_attention, merge_completed
+    from attnres.ops import naive_depth_attention
+
+    assert cpu_fused.available(), cpu_fused.load_error()
+    gen = torch.Generator().manual_seed(d)
+    src64 = [torch.randn(3, 7, d, generator=gen, dtype=torch.float64) for _ in range(4)]
+    q64 = torch.randn(5, d, generator=gen, dtype=torch.float64) / d**0.5
+    w64 = 1 + 0.1 * torch.randn(d, generator=gen, dtype=torch.float64)
+    dh = torch.randn(3, 7, d, generator=gen, dtype=torch.float64)
+
+    def grads(out, leaves):
+        return torch.autograd.grad((out * dh).sum(), leaves, retain_graph=True)
+
+    src = [s.float().requires_grad_() for s in src64]
+    w = w64.float().requires_grad_()
+    h, _ = cpu_fused.fused_depth_attention(src, q64[0].float(), None, 1e-6, output_norm_weight=w)
+    ref_src = [s.clone().requires_grad_() for s in src64]
+    ref_w = w64.clone().requires_grad_()
+    ref, _ = naive_depth_attention(ref_src, q64[0], None, 1e-6, output_norm_weight=ref_w)
+    assert rel_err(h.double(), ref) < 1e-5
+    for got, want in zip(grads(h, [*src, w]), grads(ref, [*ref_src, ref_w]), strict=True):
+        assert rel_err(got.double(), want) < 1e-4
+
+    # K = 5 queries: the first two sources in phase 1, the other two merged in after
+    src = [s.float().requires_grad_() for s in src64]
+    accs, lse = completed_attention(src[:2], None, q64.float(), 1e-6, "cpu")
+    outs, _ = merge_completed(accs, lse, src[2:], None, q64.float(), 1e-6, "cpu")
+    for k in range(5):
+        ref_src = [s.clone().requires_grad_() for s in src64]
+        ref, _ = naive_depth_attention(ref_src, q64[k], None, 1e-6)
+        assert rel_err(outs[k].double(), ref) < 1e-5
+        for got, want in zip(grads(outs[k], src), grads(ref, ref_src), strict=True):
+            assert rel_err(got.double(), want) < 1e-4
