@@ -180,9 +180,12 @@ class HParamsSummary(pl.Callback):
     planned it (`attnres.results.summary.write_trial_names`); a run alone, by its folder.
 
     Every run of a sweep over one kind of data writes the same experiment definition (same
-    names, same types: a None is declared numeric and left empty, and TensorBoard then leaves
-    that run out of the parallel coordinates), because TensorBoard reads it from one run only.
-    `parameters` (the model's parameter count) is added when the model can count them.
+    names, same types), because TensorBoard reads it from one run only: integers are written as
+    text (TensorBoard shows numbers with four decimals: seed 1.0000) and a None as "-" (num_blocks
+    of a strategy without blocks read 0.0000). The columns a sweep varies are declared as differing
+    too (`sweep_varying`: a tuned sweep's searched lr), and a `stage` column says which runs are a
+    tuned sweep's search and which its verdict (`run_stage`). `parameters` (the model's parameter
+    count) is added when the model can count them.
     """
 
     def __init__(self, hparams: Mapping[str, Any], metrics: Sequence[str] = ("val/loss",),
@@ -205,10 +208,11 @@ class HParamsSummary(pl.Callback):
         if hasattr(model, "num_parameters"):
             values["parameters"] = model.num_parameters()
         metrics = [tensorboard_tag(m) for m in logged_metrics(self.metrics, run_metric(trainer, pl_module))]
-        from attnres.results.summary import trial_name  # the name its sweep gave this run, if any
-
-        experiment, start, _ = hparams_summaries(values, metrics, varying=self.varying,
-                                                 trial=trial_name(Path(self._writer.get_logdir())))
+        run_dir = Path(self._writer.get_logdir())
+        values["stage"] = run_stage(run_dir)
+        values = {k: column_value(v) for k, v in values.items()}
+        experiment, start, _ = hparams_summaries(values, metrics, varying=sweep_varying(run_dir, values, self.varying),
+                                                 trial=short_trial_name(run_dir))
         _write_summary(self._writer, experiment)
         _write_summary(self._writer, start)
 
@@ -222,6 +226,79 @@ class HParamsSummary(pl.Callback):
         if self._writer is not None:
             _write_summary(self._writer, hparams_summaries({}, [], status)[2])
             self._writer = None
+
+
+# -- a run's place in its sweep, for the HParams table -------------------------------------------------
+def column_value(value: Any) -> Any:
+    """What the HParams table shows: an integer as text (TensorBoard prints every number with four decimals:
+    seed 1.0000, n_layer 8.0000), a missing value (num_blocks of a strategy without blocks) as "-"."""
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def run_stage(run_dir: Path) -> str:
+    """"search" (a tuned sweep's trial, under <sweep>/tuning/), "shared lr" (a tuned sweep's run at the
+    configured values, untuned=true), "verdict" (its run at an arm's choice), "run" (anything else)."""
+    from attnres.results import tuning
+
+    if run_dir.parent.name == tuning.TUNING_DIR and tuning.state_path(run_dir.parent.parent).is_file():
+        return "search"
+    if not tuning.state_path(run_dir.parent).is_file():
+        return "run"
+    state = tuning.read_state(run_dir.parent)
+    untuned = {name for arm in state.get("arms", []) for name in (arm.get("untuned_jobs") or {}).values()}
+    return "shared lr" if run_dir.name in untuned else "verdict"
+
+
+def _sweep_names(run_dir: Path) -> dict[str, str]:
+    """Its sweep's trial names (`attnres.results.summary.write_trial_names`), or none."""
+    from attnres.atomic import read_json
+    from attnres.results.summary import TRIAL_NAMES
+
+    for base in (run_dir.parent, run_dir.parent.parent):  # a tuned sweep's trials: <sweep>/tuning/<run>
+        names = read_json(base / TRIAL_NAMES)
+        if isinstance(names, dict) and run_dir.relative_to(base).as_posix() in names:
+            return {k: v for k, v in names.items() if isinstance(v, str)}
+    return {}
+
+
+def _keys(name: str) -> list[str]:
+    from attnres.config.naming import split_overrides
+
+    return [item.partition("=")[0] for item in split_overrides(name.rsplit(" (", 1)[0]) if "=" in item]
+
+
+def sweep_varying(run_dir: Path, values: Mapping[str, Any], configured: Sequence[str]) -> list[str]:
+    """The columns declared as differing: `configured`, then those its sweep varies (the keys its trial
+    names hold, and the command line's, `attnres.config.naming.SWEPT_ENV`; a column is a key's last part:
+    optim.optimizer.lr -> lr), and `stage` in a tuned sweep. Every run of a sweep declares the same."""
+    import os
+
+    from attnres.config.naming import SWEPT_ENV
+
+    keys = {k for name in _sweep_names(run_dir).values() for k in _keys(name)}
+    keys |= {k for k in os.environ.get(SWEPT_ENV, "").split(",") if k}
+    swept = {k.rsplit(".", 1)[-1].lstrip("+~") for k in keys}
+    varying = [*configured, *(c for c in values if c in swept and c not in configured)]
+    return varying + (["stage"] if values.get("stage") not in (None, "run") else [])
+
+
+def short_trial_name(run_dir: Path) -> str | None:
+    """Its sweep's name for the run, each key by its last part where that is unique (TensorBoard cut
+    `optim.optimizer.lr=0.0015,residual=block,...` to `optim.optimizer....` for every trial)."""
+    from attnres.config.naming import split_overrides
+    from attnres.results.summary import trial_name
+
+    name = trial_name(run_dir)
+    if not name:
+        return None
+    head, sep, sweep = name.partition(" (")
+    items = [item.partition("=") for item in split_overrides(head)]
+    lasts = [key.rsplit(".", 1)[-1] for key, _, _ in items]
+    short = [f"{last if lasts.count(last) == 1 else key}{eq}{value}"
+             for (key, eq, value), last in zip(items, lasts, strict=True)]
+    return ",".join(short) + sep + sweep
 
 
 def hparams_summaries(values: Mapping[str, Any], metrics: Sequence[str], status: str = "STATUS_SUCCESS",

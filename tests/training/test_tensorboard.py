@@ -25,8 +25,9 @@ def test_hparams_with_final_metrics(strategy_events, strategy_runs, residual):
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
     hp = start.hparams
     assert hp["residual"].string_value == residual
-    assert hp["n_layer"].number_value == N_LAYER and hp["seed"].number_value == 0 and hp["lr"].number_value == 3e-3
-    assert hp["model"].string_value == "tiny" and hp["parameters"].number_value > 0
+    assert hp["n_layer"].string_value == str(N_LAYER) and hp["seed"].string_value == "0"  # integers as integers
+    assert hp["lr"].number_value == 3e-3 and hp["stage"].string_value == "run"
+    assert hp["model"].string_value == "tiny" and int(hp["parameters"].string_value) > 0
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
     assert {"residual", "num_blocks", "n_layer", "n_embd", "seed", "lr", "query_lr_scale"} <= {
         h.name for h in experiment.hparam_infos}
@@ -65,7 +66,7 @@ def test_hparams_columns_are_filled_and_the_swept_ones_shown(strategy_events, re
     declared = {h.name for h in experiment.hparam_infos}
     assert declared == set(hp)  # no run leaves a column empty (TensorBoard drops it from the parallel coordinates)
     assert all(v.WhichOneof("kind") is not None for v in hp.values())
-    assert hp["num_blocks"].number_value == (N if residual == "block" else 0)
+    assert hp["num_blocks"].string_value == (str(N) if residual == "block" else "0")  # not 0.0000
     assert {h.name for h in experiment.hparam_infos if h.differs} == {"residual", "num_blocks", "seed"}
 
 
@@ -127,3 +128,42 @@ def test_one_step_count_everywhere(tmp_path):
     assert plotted.returncode == 0, plotted.stderr
     for name in ("heatmap.png", "magnitude.png", "grad_norm.png"):
         assert f"{name} (step 20)" in plotted.stdout, plotted.stdout
+
+
+def _tuned_sweep(root):
+    """A tuned sweep's folder as its sweeper leaves it: trials under tuning/, the verdict's runs and
+    the shared-lr runs beside them, the trial names its planning wrote."""
+    from attnres.atomic import write_json
+
+    sweep = root / "quick"
+    trial = "tuning/optim.optimizer.lr=0.0015,residual=block,seed=1000"
+    verdict, shared = "optim.optimizer.lr=0.012,residual=block,seed=0", "residual=block,seed=0"
+    for name in (trial, verdict, shared):
+        (sweep / name).mkdir(parents=True)
+    write_json(sweep / "tuning" / "tuning.json", {"arms": [{"untuned_jobs": {"0": shared}, "jobs": {"0": verdict}}]})
+    write_json(sweep / "trial_names.json", {
+        trial: "optim.optimizer.lr=0.0015,residual=block,seed=1000 (quick)",
+        verdict: "optim.optimizer.lr=0.012,residual=block,seed=0 (quick)", shared: "residual=block,seed=0 (quick)"})
+    return sweep, trial, verdict, shared
+
+
+def test_a_tuned_sweeps_hparams_tick_the_searched_key_name_trials_readably_and_say_the_stage(tmp_path, monkeypatch):
+    """Issue "The first hour, round two", item 6: the HParams tab of a tuned sweep left lr unticked while
+    constant keys were ticked, cut every trial's name to `optim.optimizer....`, mixed trials and verdict
+    runs without a stage column; num_blocks read 0.0000 for the standard residual, seeds as floats."""
+    from attnres.config.naming import SWEPT_ENV
+    from attnres.training.tensorboard import column_value, run_stage, short_trial_name, sweep_varying
+
+    monkeypatch.delenv(SWEPT_ENV, raising=False)
+    sweep, trial, verdict, shared = _tuned_sweep(tmp_path)
+    assert [run_stage(sweep / n) for n in (trial, verdict, shared)] == ["search", "verdict", "shared lr"]
+    assert run_stage(tmp_path / "alone") == "run"
+    configured = ["residual", "num_blocks", "seed"]
+    values = {"residual": "block", "num_blocks": "2", "model": "tiny", "seed": "0", "lr": 0.012, "batch_size": "4",
+              "stage": "verdict"}
+    for name in (trial, verdict, shared):  # every run of the sweep declares the same columns as differing
+        assert sweep_varying(sweep / name, values, configured) == [*configured, "lr", "stage"]
+    assert sweep_varying(tmp_path / "alone", {**values, "stage": "run"}, configured) == configured
+    assert short_trial_name(sweep / trial) == "lr=0.0015,residual=block,seed=1000 (quick)"
+    assert short_trial_name(tmp_path / "alone") is None
+    assert [column_value(v) for v in (0, 1000, None, 3e-3, True, "block")] == ["0", "1000", "-", 3e-3, True, "block"]
