@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import attnres
 from attnres import BlockAttentionResidual, FullAttentionResidual, StandardResidual, Transformer
 from attnres.model import KVCache
+from attnres.residual.depth_scaled import DepthScaledResidual
+from attnres.residual.uniform import UniformBlockResidual
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -30,6 +32,9 @@ STRATEGIES = {
     "full": FullAttentionResidual,
     "block": functools.partial(BlockAttentionResidual, num_blocks=2),
     "block-sizes": functools.partial(BlockAttentionResidual, block_sizes=[3, 1]),  # a shorter last block
+    # the depth study's controls (tests/residual/test_controls.py)
+    "block-uniform": functools.partial(UniformBlockResidual, num_blocks=2),
+    "depth-scaled": functools.partial(DepthScaledResidual, base_depth=1),
 }
 ATTNRES = ("full", "block", "block-sizes")
 TINY = {"vocab_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16}
@@ -84,7 +89,7 @@ def test_trains_end_to_end(residual):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.5 * losses[0], losses[::10]
-    if residual != "standard":  # the pseudo-queries learned something
+    if residual in ATTNRES:  # the pseudo-queries learned something (the controls have none)
         assert model.residual.pseudo_query.abs().max() > 0
 
 

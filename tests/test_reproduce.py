@@ -91,7 +91,7 @@ def test_run_py_refuses_an_unknown_part_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 2
     assert ran.stderr.strip() == ("run.py: unknown part shapes; choose from prepare, ordering, blocksize, depth, "
-                                  "tuned, ladder, tasks")
+                                  "tuned, ladder, tasks, depth_tuned")
 
 
 def _fake_tasks_runs(out, values):
@@ -221,8 +221,8 @@ def test_running_one_part_where_the_others_runs_are_absent_keeps_their_sections(
     monkeypatch.setattr(report, "HERE", tmp_path)
     written, kept = report.update_report(tmp_path / "runs", ["tasks"])
     text = written.read_text()
-    assert kept.startswith("REPORT.md kept as written: part(s) ordering, blocksize, depth, ladder, tuned have no "
-                           "runs in ") and "section(s) of part(s) tasks updated" in kept
+    assert kept.startswith("REPORT.md kept as written: part(s) ordering, blocksize, depth, ladder, tuned, "
+                           "depth_tuned have no runs in ") and "section(s) of part(s) tasks updated" in kept
     original = (HERE / "REPORT.md").read_text()
     assert original.split("## Training length")[1].split("## 8.")[0].split("## Not run at")[0] == \
         text.split("## Training length")[1].split("## 8.")[0]  # sections 1 to 7 as they were

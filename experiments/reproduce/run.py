@@ -75,6 +75,10 @@ PARTS = (
                   "steps, 5 seeds (docs/tasks.md)",
          (Sweep("tasks", ("experiment=synthetic_depth", "residual=standard,block", SEEDS,
                           "eval.tasks=[attnres_pointer]")),)),
+    Part("depth_tuned", "where and why (issue 51): standard, Block N=8 and two controls (depth_scaled, block_static) "
+                        "at 8, 24 and 48 sublayers of width 40, each arm and depth at its own lr "
+                        "(experiment=depth_study; depth_part.py); about 3.5 hours",
+         (Sweep("depth_tuned", ("experiment=depth_study",)),)),
 )
 NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "ladder")  # the parts that read the tokenized stdlib
 

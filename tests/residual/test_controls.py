@@ -224,3 +224,26 @@ def test_each_control_yaml_builds_and_trains_under_mup(name):
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     assert set(model.lr_scales()) <= {id(p) for p in model.parameters()}
+
+
+@pytest.mark.parametrize("name", ["block_uniform", "depth_scaled", "block_static"])
+def test_each_control_is_the_same_function_after_a_hugging_face_export(name):
+    """The residual spec a run's config holds (its composed YAML) rebuilds the strategy in
+    attnres.hf, and the exported model computes the trained one's logits."""
+    pytest.importorskip("transformers")
+    from attnres.hf import AttnResConfig, AttnResForCausalLM
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        spec = OmegaConf.to_container(compose("config", overrides=[f"residual={name}", "num_blocks=2"]).residual,
+                                      resolve=True)
+    shape = dict(vocab_size=32, n_layer=2, n_head=2, n_embd=16, block_size=16)
+    torch.manual_seed(0)
+    model = Transformer(**shape, residual=hydra.utils.instantiate(spec)).eval()
+    with torch.no_grad():  # a static mix away from uniform, so that a dropped table would show
+        for p in model.residual.parameters():
+            p.normal_()
+    hf = AttnResForCausalLM(AttnResConfig(transformer=shape, residual=spec)).eval()
+    hf.transformer.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(hf(idx).logits, model(idx)["logits"])

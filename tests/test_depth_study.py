@@ -1,0 +1,185 @@
+"""The depth study (issue 51): conf/experiment/depth_study.yaml composes at both scales with the
+shapes, blocks and budget its comment states, a tiny version runs on this CPU (slow), and the
+reproduction's section (experiments/reproduce/depth_part.py) reads a tuned sweep folder: built here
+from synthetic runs, and with no runs at all."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from scipy import stats
+
+from attnres.results import tuning
+from tests.helpers import CONF, REPO, run_cli
+
+sys.path.insert(0, str(REPO / "experiments" / "reproduce"))
+depth_part = pytest.importorskip("depth_part")  # experiments/reproduce/depth_part.py
+PRESET = CONF / "experiment" / "depth_study.yaml"
+ARMS = ("standard", "block", "depth_scaled", "block_static")
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    """scale -> [(depth, residual, composed config)] of the preset's built-in sweep."""
+    GlobalHydra.instance().clear()
+    found = {}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for scale in ("cpu", "gpu"):
+            head = compose("config", overrides=["experiment=depth_study", f"scale={scale}"], return_hydra_config=True)
+            params = head.hydra.sweeper.params
+            assert head.hydra.sweeper._target_.endswith("TunedSweeper") and head.hydra.sweeper.grid.points == 3
+            assert params.seed == "0,1,2"  # fixed until seeds on demand lands (the preset's marked line)
+            found[scale] = [(d, r, compose("config", overrides=["experiment=depth_study", f"scale={scale}",
+                                                                f"depth={d}", f"residual={r}"]))
+                            for d in params.depth.split(",") for r in params.residual.split(",")]
+    GlobalHydra.instance().clear()
+    return found
+
+
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_every_job_has_its_depth_the_papers_n_and_one_width(jobs, scale):
+    assert sorted({r for _, r, _ in jobs[scale]}) == sorted(ARMS)
+    widths = set()
+    for depth, residual, cfg in jobs[scale]:
+        L = 2 * cfg.model.n_layer
+        assert f"L{L}" == depth and L in (8, 24, 48)
+        with torch.device("meta"):
+            model = instantiate(cfg.model, vocab_size=256, residual=instantiate(cfg.residual))
+        if residual in ("block", "block_static"):
+            assert model.residual.num_blocks == 8  # the paper's N at every depth
+        if residual == "depth_scaled":
+            assert model.residual.branch_multiplier == pytest.approx(4 / cfg.model.n_layer)
+        widths.add(cfg.model.n_embd)
+    assert len(widths) == 1
+
+
+def test_the_comment_states_the_cpu_tokens_per_parameter_and_the_gpu_tokens(jobs):
+    text = PRESET.read_text()
+    tokens = {}
+    for scale in ("cpu", "gpu"):
+        cfg = jobs[scale][0][2]
+        tokens[scale] = cfg.trainer.max_steps * cfg.data.batch_size * cfg.data.block_size
+    stated = re.search(r"non-embedding parameter \(12 D\^2 n_layer\):\n"
+                       r"# ([\d.]+) at 4 layers, ([\d.]+) at 12, ([\d.]+) at 24", text)
+    assert stated, "the preset's comment states the tokens per parameter"
+    D = jobs["cpu"][0][2].model.n_embd
+    for layers, value in zip((4, 12, 24), stated.groups(), strict=True):
+        assert float(value) == pytest.approx(tokens["cpu"] / (12 * D * D * layers), rel=0.02)
+    assert f"{tokens['cpu'] / 1e6:.2f}M tokens a run" in text
+    assert tokens["gpu"] == pytest.approx(20 * 12 * 512**2 * 24, rel=0.01) and "1.5G tokens a run" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_cfg_job_composes_at_both_scales(tmp_path, scale):
+    result = run_cli("--cfg", "job", "experiment=depth_study", f"scale={scale}", "depth=L48", "residual=block",
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "n_layer: 24" in result.stdout and f"n_embd: {40 if scale == 'cpu' else 512}" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_tiny_study_finishes_on_cpu_and_the_section_reads_it(tmp_path):
+    result = run_cli("-m", "experiment=depth_study", "depth=L8,L24", "residual=standard,depth_scaled", "seed=0,1",
+                     "shapes.cpu.steps=3", "shapes.cpu.val_every=3", "shapes.cpu.warmup=1",
+                     "hydra.sweeper.grid.points=1", "hydra.sweeper.grid.max_extend=0",
+                     "hydra.sweeper.tuning_seeds=[1000]", "data.max_files=40", "data.val_batches=1", "logger=none",
+                     "callbacks=none", f"hydra.sweep.dir={tmp_path / 'runs' / depth_part.FOLDER}",
+                     cwd=tmp_path, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs")
+    rows = [line for line in text if line.startswith("| 8 |") or line.startswith("| 24 |")]
+    assert len(rows) == 2 and all("| depth_scaled |" in row and "| 0, 1 |" in row for row in rows)
+    assert "| 8 | " in rows[0] and "+0.00% [+0.00, +0.00]" in rows[0]  # m = 1 at the base depth: the same runs
+    assert (tmp_path / "figs" / "depth_tuned.png").is_file()
+
+
+# -- the section, from synthetic run folders --------------------------------------------------------------
+def _fake_sweep(out, losses, lrs, tokens=1_638_400):
+    """out/depth_tuned as a tuned sweep writes it: losses[(residual, L)] = {seed: val/loss}."""
+    sweep = out / depth_part.FOLDER
+    arms, groups = [], []
+    for (residual, L), per_seed in losses.items():
+        label = f"{residual} depth=L{L}"
+        jobs = {}
+        for seed, loss in per_seed.items():
+            job = f"depth=L{L},residual={residual},seed={seed}"
+            (sweep / job).mkdir(parents=True)
+            (sweep / job / "metrics.json").write_text(json.dumps({
+                "status": "finished", "metrics": {"val/loss": loss}, "tokens_seen": tokens,
+                "non_embedding_parameters": 19_200 * L // 2}))
+            jobs[str(seed)] = job
+        overrides = [f"depth=L{L}", f"residual={residual}", "experiment=depth_study"]
+        arms.append({"label": label, "group": label, "overrides": overrides, "jobs": jobs})
+        groups.append({"label": label, "chosen_values": {"optim.optimizer.lr": lrs[residual, L]},
+                       "edge": "up" if residual == "block_static" else None})
+    tuning.write_state(sweep, {"arms": arms, "groups": groups, "stage": "verdict"})
+
+
+def test_the_section_from_no_runs_says_what_to_run(tmp_path):
+    text, claims = depth_part.section(tmp_path / "runs", tmp_path / "figs")
+    assert text == ["Not run yet: `python experiments/reproduce/run.py --parts depth_tuned`."] and claims == []
+
+
+def test_the_section_pairs_each_arm_with_the_standard_at_each_depth(tmp_path):
+    std = {0: 3.00, 1: 3.02, 2: 2.98}
+    losses = {("standard", 8): std, ("block", 8): {0: 3.00, 1: 3.03, 2: 2.97},
+              ("depth_scaled", 8): dict(std), ("block_static", 8): {0: 3.01, 1: 3.02, 2: 2.99},
+              ("standard", 48): std, ("block", 48): {0: 2.90, 1: 2.91, 2: 2.87},
+              ("depth_scaled", 48): {0: 3.00, 1: 3.01, 2: 2.99}, ("block_static", 48): {0: 2.99, 1: 3.03, 2: 2.97}}
+    lrs = {k: 0.012 if k[0] != "block" else 0.024 for k in losses}
+    _fake_sweep(tmp_path / "runs", losses, lrs)
+    text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs")
+    table = {(int(r.split(" | ")[0][2:]), r.split(" | ")[2]): r for r in text if re.match(r"\| (8|48) \|", r)}
+    assert set(table) == {(L, a) for L in (8, 48) for a in ("block", "depth_scaled", "block_static")}
+    for (L, arm), row in table.items():
+        d = [100 * (losses[arm, L][s] - std[s]) / std[s] for s in (0, 1, 2)]
+        mean = statistics.fmean(d)
+        if statistics.stdev(d) > 0:  # a Bonferroni interval over the 3 arms of a depth, by hand
+            half = stats.t.ppf(1 - 0.05 / 6, 2) * statistics.stdev(d) / math.sqrt(3)
+            assert f"{mean:+.2f}% [{mean - half:+.2f}, {mean + half:+.2f}]" in row, row
+        assert row.endswith("| 0, 1, 2 |")
+        assert f"| {1_638_400 / (19_200 * L // 2):.2g} |" in row  # tokens per non-embedding parameter
+    assert "0.024 (0.012)" in table[48, "block"] and "on the grid's edge" in table[48, "block_static"]
+    assert "| better by at least the margin |" in table[48, "block"]  # -3.3% with a tight interval
+    assert "| +0.00% [+0.00, +0.00] | equivalent within the margin |" in table[8, "depth_scaled"]
+    answers = "\n".join(text)
+    assert "Does the tuned gain grow with depth here? yes: the gap is lower by" in answers
+    assert "Does depth_scaled (" in answers and "it does not show it" in answers
+    assert (tmp_path / "figs" / "depth_tuned.png").is_file()
+
+
+def test_a_gap_with_one_pair_gives_no_interval_and_no_winner(tmp_path):
+    _fake_sweep(tmp_path / "runs", {("standard", 8): {0: 3.0}, ("block", 8): {0: 2.5}},
+                {("standard", 8): 0.012, ("block", 8): 0.012})
+    text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs")
+    row = next(r for r in text if r.startswith("| 8 |"))
+    assert "(one seed, no interval)" in row and "| not resolved: 1 seed" in row
+    assert "Not answered yet: Block needs runs at two depths." in "\n".join(text)
+
+
+def test_the_part_splices_its_section_into_the_report_and_keeps_the_rest(tmp_path, monkeypatch):
+    import shutil
+
+    report = pytest.importorskip("report")  # experiments/reproduce/report.py
+    shutil.copy(report.HERE / "REPORT.md", tmp_path / "REPORT.md")
+    before = (tmp_path / "REPORT.md").read_text()
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    for _ in range(2):  # twice: replaced where it stands, never added again
+        written, kept = report.update_report(tmp_path / "runs", ["depth_tuned"])
+    text = written.read_text()
+    assert written == tmp_path / "REPORT.md" and "section(s) of part(s) depth_tuned updated" in kept
+    assert text.count(f"## {depth_part.TITLE}") == 1 and text.count("| depth_tuned |") == 1
+    assert "Not run yet: `python experiments/reproduce/run.py --parts depth_tuned`." in text
+    assert text.index(f"## {depth_part.TITLE}") < text.index("## Not run at this scale")
+    head = before.split("## Not run at this scale")[0]
+    assert text.startswith(head.split("| tasks |")[0])  # the verdicts and the rows above kept as written
