@@ -104,6 +104,11 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
         "max_new_tokens": Rule("int", 1, example=200), "temperature": Rule("number", 0, example=0.8),
         "top_k": Rule("int", 1, nullable=True, example=50), "num_samples": Rule("int", 1, example=1),
     },
+    ("eval", ()): {  # downstream tasks at the end of a run; attnres-tasks checks its flags against these too
+        "limit": Rule("int", 1, nullable=True, example=200), "num_fewshot": Rule("int", 0, nullable=True, example=5),
+        "batch_size": Rule("int", 1, example=16), "num_docs": Rule("int", 1, example=500),
+        "offline": BOOL, "unsafe_code": BOOL,
+    },
     ("model", ("attnres.Transformer",)): {
         "n_layer": Rule("int", 1, example=8), "n_head": Rule("int", 1, example=4),
         "n_embd": Rule("int", 1, example=96), "block_size": Rule("int", 1, example=128),

@@ -14,7 +14,9 @@ refused before any model work, in one line with exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.atomic import read_json, write_json
 from attnres.config.errors import ConfigError
+from attnres.config.rules import RULES
 from attnres.tasks import lmeval, local, paper
 
 PROG = "attnres-tasks"
@@ -173,6 +176,45 @@ def after_training(prepared: Prepared | None, cfg: DictConfig, run_dir: Path, tr
     return lines(result)
 
 
+#: attnres-tasks' numeric flags: the `eval` block's rules (attnres/config/rules.py), said as flags
+FLAGS = {"limit": "documents per task, 1 or more (leave it out for all)",
+         "num_fewshot": "few-shot examples, 0 or more (leave it out for each task's own)",
+         "batch_size": "sequences per forward pass, 1 or more", "num_docs": "documents per own task, 1 or more"}
+
+
+def check_flags(opts: dict[str, Any]) -> None:
+    """The command line's values, before anything is read: one ConfigError naming the flag."""
+    if not opts["tasks"]:
+        raise ConfigError("--tasks names no task; e.g. --tasks attnres_bpb (comma-separated)")
+    rules = RULES[("eval", ())]
+    for key, wanted in FLAGS.items():
+        problem = rules[key].problem(opts[key])
+        if problem is not None:
+            raise ConfigError(f"--{key.replace('_', '-')} {opts[key]} {problem}; give {wanted}")
+
+
+def check_writable(folder: Path) -> None:
+    """A run folder's results go into its metrics.json and tasks/: refuse before evaluating when they cannot."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".attnres-tasks-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{folder} is not writable ({err.strerror}), and the results go into its metrics.json; "
+                          "make it writable or evaluate a copy (cp -r)") from None
+    for path in (folder / "metrics.json", folder / "tasks"):
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ConfigError(f"{path} is not writable (read-only or immutable), and the results go there; make it "
+                              "writable or evaluate a copy of the run folder (cp -r)")
+
+
+class NotRecorded(Exception):  # noqa: N818  (a result in hand, not an error of the evaluation)
+    """The evaluation finished but its results could not be written: they are still printed."""
+
+    def __init__(self, result: dict[str, Any], err: OSError) -> None:
+        super().__init__(str(err))
+        self.result, self.err = result, err
+
+
 def evaluate_folder(folder: Path, opts: dict[str, Any], checkpoint: str = "last") -> dict[str, Any]:
     """attnres-tasks on a run folder or an exported one: checked, evaluated, recorded."""
     if (folder / "config.json").is_file() and not (folder / ".hydra").is_dir():
@@ -182,11 +224,15 @@ def evaluate_folder(folder: Path, opts: dict[str, Any], checkpoint: str = "last"
     from attnres.export.main import check_run
 
     cfg, _, ckpt = check_run(folder, checkpoint)
+    check_writable(folder)
     datamodule = run_data(cfg)
     prepared = Prepared(opts, datamodule)
     model, tok, prefix = hf_model_of_run(cfg, ckpt, datamodule)
     result = evaluate(prepared, model, tok, prefix)
-    record(folder, result)
+    try:
+        record(folder, result)
+    except OSError as err:  # the folder changed under us (a full disk, a permission): the numbers are not lost
+        raise NotRecorded(result, err) from err
     return result
 
 
@@ -212,9 +258,16 @@ def main(argv: list[str] | None = None) -> None:
             "unsafe_code": args.unsafe_code, "include_path": args.include_path}
     folder = Path(args.folder).expanduser()
     try:
+        opts = settings(opts)
+        check_flags(opts)
         if not folder.is_dir():
             raise ConfigError(f"{folder} is not a folder; pass a run folder or one written by attnres-export")
-        result = evaluate_folder(folder, settings(opts), args.checkpoint)
+        result = evaluate_folder(folder, opts, args.checkpoint)
+    except NotRecorded as stop:
+        print("\n".join(lines(stop.result)))
+        print(f"{PROG}: error: the results above are not recorded ({stop.err}); make the run folder writable and "
+              "run the same command again to record them", file=sys.stderr)
+        sys.exit(2)
     except ConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)

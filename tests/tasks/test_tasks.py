@@ -179,3 +179,107 @@ def test_attnres_tasks_on_a_run_folder_records_into_metrics_json_and_tensorboard
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(p.name for p in exported_files)  # untouched
     shown = next(line for line in given.stdout.splitlines() if "attnres_bpb/bits_per_byte" in line)
     assert abs(float(shown.split()[-1]) - metrics["metrics"]["attnres_bpb/bits_per_byte"]) < 1e-4, shown
+
+
+# -- refused before any work: attnres-tasks' flags, eval.* of a run, a folder it cannot write ------------
+@pytest.mark.parametrize(("args", "said"), [
+    (["--tasks", ""], "--tasks names no task; e.g. --tasks attnres_bpb"),
+    (["--tasks", ","], "--tasks names no task"),
+    (["--tasks", "attnres_bpb", "--limit", "0"], "--limit 0 is out of range; give documents per task, 1 or more"),
+    (["--tasks", "attnres_bpb", "--limit", "-3"], "--limit -3 is out of range"),
+    (["--tasks", "attnres_bpb", "--batch-size", "0"], "--batch-size 0 is out of range; give sequences per forward"),
+    (["--tasks", "attnres_bpb", "--num-docs", "0"], "--num-docs 0 is out of range"),
+    (["--tasks", "attnres_bpb", "--num-fewshot", "-1"], "--num-fewshot -1 is out of range"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_attnres_tasks_refuses_a_bad_flag_in_one_line_before_reading_the_folder(tmp_path, capsys, monkeypatch,
+                                                                                  args, said):
+    monkeypatch.setattr(main, "evaluate_folder", lambda *a: pytest.fail("a refused flag reached the folder"))
+    with pytest.raises(SystemExit) as stop:
+        main.main([str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("attnres-tasks: error: " + said), err
+
+
+@pytest.mark.parametrize(("key", "said"), [("limit", "eval.limit=0 is out of range; set eval.limit to an integer "
+                                                      ">= 1 (or null)"),
+                                           ("batch_size", "eval.batch_size=0 is out of range"),
+                                           ("num_docs", "eval.num_docs=0 is out of range")])
+def test_a_runs_eval_settings_are_checked_with_its_other_values(key, said):
+    from omegaconf import OmegaConf
+
+    from attnres.config.rules import validate_config
+
+    cfg = OmegaConf.create({"eval": {"tasks": ["attnres_bpb"], "limit": None, "batch_size": 16, "num_docs": 500}})
+    validate_config(cfg)
+    cfg.eval[key] = 0
+    with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(cfg)
+
+
+@pytest.mark.slow
+def test_a_run_with_eval_limit_0_is_refused_before_training(tmp_path):
+    result = helpers.run_cli(*TINY, "eval.tasks=[attnres_bpb]", "eval.limit=0", cwd=tmp_path, env=OFFLINE)
+    assert helpers.one_line_error(result).startswith("attnres-run: error: eval.limit=0 is out of range")
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.fixture
+def unwritable():
+    """Makes a path unwritable even for root (chattr +i) or, without that, for its owner (chmod); undone after."""
+    import shutil
+    import subprocess
+
+    made = []
+
+    def make(path):
+        chattr = shutil.which("chattr")
+        if chattr and subprocess.run([chattr, "+i", str(path)], capture_output=True).returncode == 0:
+            made.append(lambda: subprocess.run([chattr, "-i", str(path)], check=True))
+        elif os.geteuid() != 0:
+            mode = path.stat().st_mode
+            path.chmod(0o555 if path.is_dir() else 0o444)
+            made.append(lambda: path.chmod(mode))
+        else:
+            pytest.skip("root without chattr +i: nothing here can make a path unwritable")
+
+    yield make
+    for undo in reversed(made):
+        undo()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["metrics.json", "folder"])
+def test_attnres_tasks_on_a_run_folder_it_cannot_write_refuses_before_evaluating(strategy_runs, tmp_path, capsys,
+                                                                                  monkeypatch, unwritable, what):
+    run = helpers.copy_run(strategy_runs["standard"].dir, tmp_path / "run")
+    monkeypatch.setattr(main, "run_data", lambda cfg: pytest.fail("the model work started"))
+    unwritable(run / "metrics.json" if what == "metrics.json" else run)
+    with pytest.raises(SystemExit) as stop:
+        main.main([str(run), "--tasks", "attnres_pointer"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "is not writable" in err, err
+    assert "make it writable or evaluate a copy" in err, err
+
+
+def test_results_that_cannot_be_recorded_after_evaluating_are_printed_then_one_line(tmp_path, capsys, monkeypatch):
+    """A folder that becomes unwritable during the evaluation (a full disk): the numbers are shown, then one line."""
+    result = {"lm_eval_version": "0.4.9", "seconds": 1.0, "metrics": {"attnres_bpb/bits_per_byte": 2.5}}
+
+    import attnres.export.main as export
+
+    (tmp_path / "metrics.json").write_text('{"metrics": {"val/bpb": 3.0}}')
+    monkeypatch.setattr(export, "check_run", lambda folder, checkpoint: (None, None, folder / "last.ckpt"))
+    monkeypatch.setattr(main, "run_data", lambda cfg: None)
+    monkeypatch.setattr(main, "Prepared", lambda opts, datamodule: None)
+    monkeypatch.setattr(main, "hf_model_of_run", lambda cfg, ckpt, datamodule: (None, None, None))
+    monkeypatch.setattr(main, "evaluate", lambda *a: result)
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(main, "write_json", disk_full)
+    with pytest.raises(SystemExit) as stop:
+        main.main([str(tmp_path), "--tasks", "attnres_bpb"])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and "attnres_bpb/bits_per_byte" in out and "2.5000" in out
+    assert err.count("\n") == 1 and "the results above are not recorded" in err and "No space left" in err, err
