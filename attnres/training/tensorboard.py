@@ -285,8 +285,10 @@ def sweep_varying(run_dir: Path, values: Mapping[str, Any], configured: Sequence
 
 
 def short_trial_name(run_dir: Path) -> str | None:
-    """Its sweep's name for the run, each key by its last part where that is unique (TensorBoard cut
-    `optim.optimizer.lr=0.0015,residual=block,...` to `optim.optimizer....` for every trial)."""
+    """Its sweep's name for the run, short enough for the 18 characters TensorBoard's Trial ID column
+    shows (it cut `optim.optimizer.lr=0.0015,residual=block,...` to `optim.optimizer....` for every
+    trial): the strategy bare and first, then each key by its last part where that is unique,
+    `block lr=0.0015 seed=1000 (quick)`."""
     from attnres.config.naming import split_overrides
     from attnres.results.summary import trial_name
 
@@ -296,9 +298,10 @@ def short_trial_name(run_dir: Path) -> str | None:
     head, sep, sweep = name.partition(" (")
     items = [item.partition("=") for item in split_overrides(head)]
     lasts = [key.rsplit(".", 1)[-1] for key, _, _ in items]
-    short = [f"{last if lasts.count(last) == 1 else key}{eq}{value}"
+    short = [value if key == "residual" else f"{last if lasts.count(last) == 1 else key}{eq}{value}"
              for (key, eq, value), last in zip(items, lasts, strict=True)]
-    return ",".join(short) + sep + sweep
+    short.sort(key=lambda item: item not in [v for k, _, v in items if k == "residual"])  # the strategy first
+    return " ".join(short) + sep + sweep
 
 
 def hparams_summaries(values: Mapping[str, Any], metrics: Sequence[str], status: str = "STATUS_SUCCESS",

@@ -164,6 +164,7 @@ def test_a_tuned_sweeps_hparams_tick_the_searched_key_name_trials_readably_and_s
     for name in (trial, verdict, shared):  # every run of the sweep declares the same columns as differing
         assert sweep_varying(sweep / name, values, configured) == [*configured, "lr", "stage"]
     assert sweep_varying(tmp_path / "alone", {**values, "stage": "run"}, configured) == configured
-    assert short_trial_name(sweep / trial) == "lr=0.0015,residual=block,seed=1000 (quick)"
+    assert short_trial_name(sweep / trial) == "block lr=0.0015 seed=1000 (quick)"
+    assert short_trial_name(sweep / shared) == "block seed=0 (quick)"
     assert short_trial_name(tmp_path / "alone") is None
     assert [column_value(v) for v in (0, 1000, None, 3e-3, True, "block")] == ["0", "1000", "-", 3e-3, True, "block"]
