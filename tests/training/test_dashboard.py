@@ -23,7 +23,8 @@ from tests.helpers import RUN_NUM_BLOCKS as N
 from tests.helpers import tensor_array as _array
 
 L = 2 * N_LAYER
-PROBE_STEPS, GRAD_STEPS = [0, 2, 4, 6], [0, 2, 4, 5]  # every 2 steps and the end; grads: also the last step
+# every 2 steps and the end; a step's gradient at the count of steps it makes: the first (1), every 2, the last (6)
+PROBE_STEPS, GRAD_STEPS = [0, 2, 4, 6], [1, 2, 4, 6]
 
 
 @pytest.mark.slow
@@ -151,7 +152,7 @@ def test_probe_records_once_and_leaves_nothing_hooked(tmp_path):
     assert len(recorded) == 4  # steps 0, 2, 4 and the end of fit (5)
     assert all(not grad and not training for _, grad, training in recorded)  # no-grad, eval mode
     assert sum(1 for rec, grad, training in forwards if not rec and grad and training) == 5  # the 5 steps, plain
-    assert grad_steps == [0, 2, 4]  # 4 is also the last step
+    assert grad_steps == [1, 2, 4, 5]  # the first step's, every 2, and the last (5th) step's
     model, residual = module.model, module.model.residual
     assert model.training and residual.recorded is None and not residual._record_next
     for m in model.modules():
