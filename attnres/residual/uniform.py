@@ -49,8 +49,9 @@ class UniformBlockResidual(BlockAttentionResidual):
                          output_aggregation=output_aggregation, kernel=kernel, block_sizes=block_sizes)
         rows = self.pseudo_query.shape
         del self.pseudo_query  # zero logits for good: the softmax over S sources is 1 / S each
-        # not persistent: nothing learned, so nothing in a checkpoint or an export
-        self.register_buffer("pseudo_query", torch.zeros(rows), persistent=False)
+        # persistent, though it never changes: a loader that builds the model on the meta device
+        # (transformers' from_pretrained) fills only what the checkpoint holds, and left it garbage
+        self.register_buffer("pseudo_query", torch.zeros(rows))
 
     def reset_parameters(self) -> None:
         pass  # nothing learned; the zero queries never change

@@ -188,7 +188,7 @@ def _from_yaml(name: str, L: int, D: int) -> nn.Module:  # noqa: N803
 def test_the_static_mix_yaml_is_block_with_learned_input_free_weights_float64():
     """residual=block_static: h_l = sum_i softmax(z_l)_i v_i over Block AttnRes's sources."""
     spec = OmegaConf.load(CONF / "residual" / "block_static.yaml")
-    assert list(spec.defaults) == ["block", "_self_"] and spec.mixing == "static"
+    assert spec._target_ == "attnres.BlockAttentionResidual" and spec.mixing == "static"
     L, D = 6, 8
     residual = _from_yaml("block_static", L, D).double()
     z = torch.randn(residual.mixing_logits.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
