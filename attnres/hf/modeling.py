@@ -55,9 +55,6 @@ class PaddedView:
     def __init__(self, cache: Any, attention_mask: Tensor, position_ids: Tensor | None, T: int) -> None:  # noqa: N803 (T: new tokens, as in model.py)
         self.view = CacheView(cache) if cache is not None else None
         self.pos = self.view.pos if self.view is not None else 0
-        if attention_mask.ndim != 2 or attention_mask.shape[-1] != self.pos + T:
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; attnres models take one of "
-                             f"(batch, {self.pos + T}): the cached positions ({self.pos}) plus the new tokens ({T})")
         self.key_mask = attention_mask.bool()
         if position_ids is None:  # each row counts its own tokens; a padded position's value is never read
             position_ids = attention_mask.long().cumsum(-1)[:, -T:] - 1
@@ -72,6 +69,20 @@ def pop_cache(kwargs: dict[str, Any]) -> Any:
     cache = kwargs.pop("cache", None)
     legacy = kwargs.pop("past_key_values", None)
     return cache if cache is not None else legacy
+
+
+def check_mask(attention_mask: Tensor, input_ids: Tensor, cached: int) -> None:
+    """One line for a mask that is not (batch, cached + new tokens), and for a row with no token
+    (all zeros: an empty prompt, refused as an empty `input_ids` is)."""
+    B, T = input_ids.shape[0], input_ids.shape[-1]
+    if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (B, cached + T):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; attnres models take one of "
+                         f"(batch, cached + new tokens) = ({B}, {cached + T}): the cached positions ({cached}) plus "
+                         f"the new tokens ({T})")
+    empty = (~attention_mask.bool().any(-1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"row {empty[0]} of attention_mask is all zeros: an empty prompt; attnres models need at "
+                         "least one token per row to start from (drop the row, or give it a token)")
 
 
 def run_transformer(config: AttnResConfig, transformer: Transformer, input_ids: Tensor | None,
@@ -89,6 +100,8 @@ def run_transformer(config: AttnResConfig, transformer: Transformer, input_ids: 
         use_cache = getattr(config, "use_cache", True)
     if cache is None and use_cache:
         cache = DynamicCache(config=config)
+    if attention_mask is not None:
+        check_mask(attention_mask, input_ids, cache.get_seq_length() if cache is not None else 0)
     padded = attention_mask is not None and not bool(attention_mask.all())
     if padded:
         view: Any = PaddedView(cache, attention_mask, position_ids, input_ids.shape[-1])
@@ -174,12 +187,22 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
         """`GenerationMixin.generate`, with a clear refusal of an empty prompt (transformers itself
-        fails on one with an IndexError from deep inside)."""
+        fails on one with an IndexError from deep inside), of a row with no token, and of right
+        padding: generate() continues every row from its last column, a pad in a right-padded row,
+        so its tokens would not be its prompt's (transformers only warns)."""
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         if isinstance(prompt, Tensor) and prompt.ndim >= 1 and prompt.shape[-1] == 0:
             raise ValueError("generate() got an empty prompt (input_ids of 0 tokens): attnres models need at least "
                              "one token to start from; give a non-empty prompt (a byte-level model can start from "
                              "'\\n')")
+        mask = kwargs.get("attention_mask")
+        if isinstance(prompt, Tensor) and isinstance(mask, Tensor) and prompt.ndim == 2:
+            check_mask(mask, prompt, 0)
+            right = (~mask[:, -1].bool()).nonzero().flatten().tolist()
+            if right:
+                raise ValueError(f"generate() got a right-padded batch (row {right[0]} ends in padding): generation "
+                                 "continues each row from its last column, so pad on the left (the tokenizer's "
+                                 "padding_side='left')")
         return super().generate(inputs, *args, **kwargs)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,

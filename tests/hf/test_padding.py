@@ -1,6 +1,9 @@
-"""Padded batches in attnres.hf: every strategy computes a padded row as it computes the prompt alone
-(logits at every real position, and greedy tokens of a batched `generate()` with left padding), as
-lm-eval's `generate_until` and any batched `generate()` need."""
+"""Padded batches in attnres.hf: every strategy computes a padded row as it computes the prompt alone:
+its logits at every real position with left or right padding (a forward pass, with and without a
+cache), and its greedy tokens in a batched `generate()` with left padding, as lm-eval's
+`generate_until` and any batched `generate()` need; Block AttnRes's step-by-step decoding of a
+left-padded batch is its full forward. Right padding in `generate()`, a row with no token and a
+mask that is not (batch, cached + new tokens) are refused in one line."""
 
 from __future__ import annotations
 
@@ -69,17 +72,51 @@ def test_decoding_a_padded_batch_step_by_step_is_its_full_forward():
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
         cache = DynamicCache(config=model.config)
-        steps = [model(ids[:, :6], attention_mask=mask[:, :6], cache=cache).logits]
+        # a prefill of 9 columns: every row has a token in it (a row of padding only is an empty prompt)
+        steps = [model(ids[:, :9], attention_mask=mask[:, :9], cache=cache).logits]
         steps += [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits
-                  for t in range(6, ids.shape[1])]
+                  for t in range(9, ids.shape[1])]
     real = mask.bool()
     torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], rtol=0, atol=1e-10)
 
 
-def test_a_mask_of_the_wrong_width_is_refused_in_one_line():
+@pytest.mark.parametrize("zeros", [False, True], ids=["all-ones", "with-zeros"])
+@pytest.mark.parametrize("shape", [(2, 3), (2, 5), (3, 4), (4,)], ids=["T-1", "T+1", "B+1", "1-D"])
+def test_a_mask_of_the_wrong_shape_is_refused_in_one_line(shape, zeros):
     model = model_of(STRATEGIES["standard"])
-    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 3\).*\(batch, 4\)"):
-        model(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    mask = torch.ones(shape, dtype=torch.long)
+    if zeros:
+        mask[..., 0] = 0
+    want = rf"attention_mask has shape \({', '.join(map(str, shape))},?\); .*\(batch, cached \+ new tokens\) = \(2, 4\)"
+    for use_cache in (False, True):
+        with pytest.raises(ValueError, match=want) as err:
+            model(torch.ones(2, 4, dtype=torch.long), attention_mask=mask, use_cache=use_cache)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=want):
+        model.generate(torch.ones(2, 4, dtype=torch.long), attention_mask=mask, max_new_tokens=2, pad_token_id=PAD)
+
+
+def test_a_row_with_no_token_is_refused_as_an_empty_prompt_is():
+    model = model_of(STRATEGIES["block"])
+    ids, mask = padded(prompts(), "left")
+    mask[1] = 0
+    with pytest.raises(ValueError, match="an empty prompt"):
+        model.generate(torch.ones(1, 0, dtype=torch.long), max_new_tokens=2, pad_token_id=PAD)
+    with pytest.raises(ValueError, match="row 1 of attention_mask is all zeros: an empty prompt"):
+        model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="row 1 of attention_mask is all zeros: an empty prompt"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+
+
+def test_generation_refuses_right_padding_in_one_line():
+    """generate() continues every row from its last column: a right-padded row would continue from a pad."""
+    model = model_of(STRATEGIES["block"])
+    ids, mask = padded(prompts(6), "right")
+    with pytest.raises(ValueError, match=r"right-padded batch \(row 0 ends in padding\).*padding_side='left'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    left_ids, left_mask = padded(prompts(6), "left")
+    assert model.generate(left_ids, attention_mask=left_mask, max_new_tokens=2, do_sample=False,
+                          pad_token_id=PAD).shape == (len(LENGTHS), left_ids.shape[1] + 2)
 
 
 def test_a_padded_row_may_not_reach_past_block_size_but_its_padding_may():
