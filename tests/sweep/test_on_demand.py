@@ -173,7 +173,8 @@ def test_a_tuned_sweep_runs_its_looks_after_the_search(tmp_path):
     verdict_batches = [b for b in launcher.batches if not any("tuning/" in o for o in b[0])]
     assert [seeds_of(b) for b in verdict_batches] == [[0, 1, 2]]
     record = sequential.read_record(tmp_path / "sweep")
-    assert record["looks"] == [[0, 1, 2]] and record["stopped"] == "stopped at 3 seeds (look 1): every comparison resolved"
+    assert record["looks"] == [[0, 1, 2]]
+    assert record["stopped"] == "stopped at 3 seeds (look 1): every comparison resolved"
     assert all(sorted(arm["jobs"], key=int) == ["0", "1", "2"] for arm in sweeper_state(tmp_path)["arms"])
 
 
