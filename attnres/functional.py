@@ -11,7 +11,7 @@ handed to an implementation in `attnres.ops`, chosen by `kernel` (`attnres/ops/d
 - "triton": fused Triton kernels (`attnres/ops/triton_fused.py`); CUDA tensors, or CPU
   tensors under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported);
 - "cpu": one fused C++ loop each way over the tokens (`attnres/ops/cpu_fused.py`), compiled
-  on first use (about 30 s, once per machine); CPU tensors of float32 or float64;
+  on first use (about a minute, once per machine); CPU tensors of float32 or float64;
 - "torch": the fast formulation in plain PyTorch (`attnres/ops/torch_fused.py`);
 - "naive": the reference (`attnres/ops/naive.py`).
 

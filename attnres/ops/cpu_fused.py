@@ -9,7 +9,7 @@ operation. On narrow models that is most of what AttnRes costs over a standard r
 (experiments/BENCHMARKS.md, "Small models on CPU").
 
 The kernel is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja;
-about 30 s once per machine, cached under TORCH_EXTENSIONS_DIR, default
+about a minute once per machine, cached under TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions), for float32 and float64 sources. `available()` says whether it
 built; when it does not (no compiler, say), one warning names the reason and kernel="auto"
 takes the plain-PyTorch path, which gives the same results more slowly.
@@ -118,7 +118,7 @@ def _build() -> None:
             with _exclusive(build_dir):
                 compiling = not (build_dir / f"{name}.so").exists()
                 if compiling:
-                    print("attnres: compiling the fused CPU depth-attention kernel (once per machine, about 30 s; "
+                    print("attnres: compiling the fused CPU depth-attention kernel (once per machine, about a minute; "
                           "residual.kernel=torch skips it)", file=sys.stderr, flush=True)
                 started = time.perf_counter()
                 cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
