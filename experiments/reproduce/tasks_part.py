@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from verdicts import CONTRADICTED
 
 from attnres.atomic import read_json
 from attnres.results.summary import find_job_dirs
@@ -157,5 +158,5 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
     text = (f"Block AttnRes (N = 4) scores higher than the standard residual on a downstream task (paper, "
             f"Table 3, the 48B run, baseline to AttnRes: {TABLE3}; ours, two-hop pointer chasing through lm-eval: "
             f"{acc.text(' pt')} of "
-            f"accuracy, loss {loss.text()}; no task in common: contradicted needs the other side of zero)")
+            f"accuracy, loss {loss.text()}; no task in common: {CONTRADICTED} needs the other side of zero)")
     return lines, [claim(verdict(acc, [1e-9], lower=False), text)]

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from verdicts import NOT_RESOLVED
+
 from attnres.results import tuning
 from attnres.results.tuned_summary import choice_line, write_tuned_summary
 
@@ -41,7 +43,7 @@ def part_tuned(out: Path, figs: Path, shared: Any, effect_cls: Any, verdict: Cal
             and r.get("status") == "finished" and isinstance(r.get("val/loss"), float)}
     seeds = sorted({s for arm, s in loss if arm == BLOCK} & {s for arm, s in loss if arm == STANDARD})
     effect = effect_cls({s: 100 * (loss[BLOCK, s] - loss[STANDARD, s]) / loss[STANDARD, s] for s in seeds})
-    word = verdict(effect, table2) if seeds else "not resolved"
+    word = verdict(effect, table2) if seeds else NOT_RESOLVED
     lr = {name: (g.get("chosen_values") or {}).get("optim.optimizer.lr") for name, g in groups.items()}
     edges = [name for name, g in groups.items() if g.get("edge")]
     if shared is not None and shared.per_seed:
