@@ -158,9 +158,9 @@ class Comparison:
             low, high = self.ci
             unpaired = self.method.startswith("Welch")
             how = f"Welch, unpaired, {self.n} runs" if unpaired else f"paired t, {self.n} seeds"
-            if self.arms > 1:
-                how += (f", {100 * (1 - self.alpha):.4g}% interval: Holm over {self.arms} arms, "
-                        f"adjusted p {self.p_holm:.3g}" if self.p_holm is not None else "")
+            if self.arms > 1:  # the interval at the Bonferroni level the words read; Holm's p beside
+                how += f", {100 * (1 - self.alpha):.4g}% interval: Holm over {self.arms} arms" + \
+                    (f", adjusted p {self.p_holm:.3g}" if self.p_holm is not None else "")
             words = self.verdict + (f" (TOST p {self.tost_p:.3g})" if self.verdict == EQUIVALENT and
                                     self.tost_p is not None else "")
             text = (f"{head}: {words}, {self.mean:+.4f} {self.metric} [{low:+.4f}, {high:+.4f}] "
