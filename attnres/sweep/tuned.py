@@ -67,7 +67,11 @@ class TunedSweeper(Sweeper):
         self.tuning_seeds = _seed_list(tuning_seeds, self.problems)
         self.grid = {"keys": ["optim.optimizer.lr"], "points": 5, "factor": 2.0, "max_extend": 3, "centre": {},
                      **(grid or {})}
-        self.grid["centre"] = dict(self.grid.get("centre") or {})
+        centre = self.grid.get("centre") or {}
+        if not isinstance(centre, Mapping):
+            self.problems.append(f"hydra.sweeper.grid.centre={centre} is not a {{key: value}} map; e.g. "
+                                 "'hydra.sweeper.grid.centre={optim.optimizer.lr:0.001}'")
+        self.grid["centre"] = dict(centre) if isinstance(centre, Mapping) else {}
         self.optuna = dict(optuna or {})
         if isinstance(proxy, (list, tuple)):  # [size=194m]: overrides
             proxy = dict(str(o).split("=", 1) for o in proxy if "=" in str(o))

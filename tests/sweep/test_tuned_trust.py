@@ -29,11 +29,11 @@ from tests.sweep.test_tuned import GRID, SurfaceLauncher, make_sweeper, run_swee
 def _clean_sweep_globals():
     for registry in (plan.sweep_jobs, plan.sweep_notes, plan.outcomes, plan.diverged):
         registry.clear()
-    plan.unanswered.clear()
+    getattr(plan, "unanswered", set()).clear()
     yield
     for registry in (plan.sweep_jobs, plan.sweep_notes, plan.outcomes, plan.diverged):
         registry.clear()
-    plan.unanswered.clear()
+    getattr(plan, "unanswered", set()).clear()
     stopping.stopped_by = None
 
 
@@ -250,7 +250,7 @@ def test_a_trial_sigkilled_on_the_command_line_runs_again_before_anything_is_cho
     while killed is None and time.monotonic() < deadline and proc.poll() is None:
         for line in subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines():
             pid, ppid, *rest = line.split(None, 2)
-            if rest and "attnres.sweep.job" in rest[0] and "/k/tuning/" in rest[0]:
+            if rest and "attnres.sweep.job" in rest[0] and f"{tmp_path}/k/tuning/" in rest[0]:  # this sweep's only
                 os.kill(int(pid), signal.SIGKILL)  # as the kernel's out-of-memory killer would
                 killed = int(pid)
                 break
