@@ -225,6 +225,20 @@ def words_of(command: Command) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
+#: a command line's choices that need one of the heavy integrations (the `test-full` extra; `test` lacks them):
+#: (pattern, module, extra). Without it, the command's check skips, naming the extra, as their own tests do.
+HEAVY = [(r"logger=(mlflow|many)", "mlflow", "mlflow"), (r"logger=(wandb|many)", "wandb", "wandb"),
+         (r"tune=optuna", "optuna", "tune"), (r"\+?eval\.tasks=\[.+\]", "lm_eval", "eval")]
+
+
+def skip_without_heavy_extras(argv: list[str]) -> None:
+    import importlib.util
+
+    for pattern, module, extra in HEAVY:
+        if any(re.fullmatch(pattern, a) for a in argv) and importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs the {extra} extra ({module}), in test-full: pip install -e '.[test-full]'")
+
+
 def check_attnres_run(command: Command, argv: list[str], env: dict[str, str], folder: Path, monkeypatch,
                       capsys) -> None:
     if any(a in ("--help", "-h", "--hydra-help") for a in argv):
@@ -244,6 +258,8 @@ def check_attnres_run(command: Command, argv: list[str], env: dict[str, str], fo
         monkeypatch.setattr(rules, "_cuda_available", lambda: True)  # checked as on a machine with a GPU
     provide_paths(argv, folder)
     expected = [line for line in command.output if line.startswith("attnres-run: error:")]
+    if not expected:
+        skip_without_heavy_extras(argv)
     if expected:
         monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
         with pytest.raises(SystemExit) as stop, user_errors():
