@@ -229,3 +229,77 @@ def test_running_one_part_where_the_others_runs_are_absent_keeps_their_sections(
     assert "## 1. Loss ordering (Table 2)" in text and "No runs yet" not in text
     assert text.count(f"## {report.TASKS_TITLE}") == 1
     assert (tmp_path / "figures" / "magnitude.png").read_bytes() == b"kept"
+
+
+def _study_copy(tmp_path, monkeypatch):
+    """REPORT.md and its figures copied into tmp_path, where report.py writes (never the repository's)."""
+    import shutil
+
+    shutil.copy(HERE / "REPORT.md", tmp_path / "REPORT.md")
+    shutil.copytree(HERE / "figures", tmp_path / "figures")
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    return {p: p.read_bytes() for p in [tmp_path / "REPORT.md", *sorted((tmp_path / "figures").iterdir())]}
+
+
+@pytest.mark.parametrize("parts", [[], ["--parts", "tuned"], ["--parts", "tasks"]], ids=["all", "tuned", "tasks"])
+def test_report_only_from_a_folder_without_runs_is_refused_and_keeps_the_report_and_figures(
+        tmp_path, monkeypatch, capsys, parts):
+    """`run.py --report-only --out EMPTY` rewrote REPORT.md with no verdicts and deleted its figures."""
+    import run
+
+    before = _study_copy(tmp_path, monkeypatch)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "nothing"):
+        assert run.main(["--report-only", "--out", str(out), *parts]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"run.py: {out} holds no runs of part(s) "), err
+    assert not (tmp_path / "nothing").exists()  # refused before anything is written
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted((tmp_path / "figures").iterdir()) == sorted(p for p in before if p.suffix == ".png")
+
+
+def test_report_only_from_one_parts_runs_splices_that_part_and_keeps_the_rest(tmp_path, monkeypatch, capsys):
+    import run
+
+    before = _study_copy(tmp_path, monkeypatch)
+    _fake_tasks_runs(tmp_path / "runs", {0: {"standard": (0.40, 1.00), "block": (0.46, 0.98)},
+                                         1: {"standard": (0.50, 1.10), "block": (0.55, 1.05)}})
+    assert run.main(["--report-only", "--out", str(tmp_path / "runs")]) == 0
+    assert "REPORT.md kept as written: part(s) ordering," in capsys.readouterr().out
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "## 1. Loss ordering (Table 2)" in text and "No runs yet" not in text
+    kept = [p for p in before if p.suffix == ".png" and p.name != "tasks_pointer.png"]
+    assert {p: p.read_bytes() for p in kept} == {p: before[p] for p in kept}  # every other part's figure stays
+
+
+def test_run_py_stops_after_a_sigterm_before_its_next_sweep_whatever_the_sweep_exits_with(tmp_path):
+    """The sweep a `kill` reaches may exit 1 (its jobs stopped): run.py stops all the same."""
+    child = ("import signal, sys, time\nfrom pathlib import Path\nPath(sys.argv[1]).touch()\n"
+             "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(1))\ntime.sleep(60)\n")
+    driver = f"""
+import sys
+from pathlib import Path
+sys.path.insert(0, {str(HERE)!r})
+import report, run
+report.HERE = Path({str(tmp_path)!r})  # the repository's report stays as it is
+started = []
+def fake_sweep(sweep, out, jobs):
+    started.append(sweep.folder)
+    return run.call_forwarding([sys.executable, "-c", {child!r}, {str(tmp_path)!r} + "/" + sweep.folder], Path("."))
+run.run_sweep, run.prepare = fake_sweep, lambda: 0
+code = run.main(["--parts", "ordering,blocksize", "--out", {str(tmp_path / 'out')!r}])
+Path({str(tmp_path / 'started')!r}).write_text(",".join(started))
+sys.exit(code)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=tmp_path, env=cli_env(), start_new_session=True)
+    try:
+        end = time.monotonic() + 60
+        while not (tmp_path / "ordering").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert (tmp_path / "ordering").exists()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (tmp_path / "started").read_text() == "ordering"

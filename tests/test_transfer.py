@@ -186,3 +186,67 @@ def test_the_base_search_section_pairs_each_arm_with_standard_by_seed():
     assert "over 2 seed(s)" in block and "mup at the base's best lr (0.024), init_std 0.02: not run yet" in block
     assert "minus standard" not in block  # nothing to pair with yet
     assert bs.splice("a\n" + text + "\nb", "NEW") == "a\nNEW\nb" and bs.splice("a", "NEW") == "a\n\nNEW\n"
+
+
+SWEEP_STOPPED_BY_SIGTERM = """
+import signal, sys, time
+from pathlib import Path
+Path(sys.argv[1]).touch()
+signal.signal(signal.SIGTERM, lambda s, f: sys.exit(1))  # a sweep whose jobs stopped: 1, not 143
+time.sleep(60)
+"""
+
+
+def test_a_sigterm_stops_the_study_before_its_next_sweep_whatever_the_sweep_exits_with(tmp_path):
+    """A `kill` of run.py reaches the sweep running; a sweep that then exits 1 (its jobs stopped)
+    must not be followed by the next one (it ran on for 9 minutes), as after Ctrl-C."""
+    import os
+    import signal
+    import time
+
+    driver = f"""
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("transfer_run", {str(SCRIPT)!r})
+run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run)
+started = []
+def fake_sweep(folder, overrides, out, jobs):
+    started.append(folder)
+    return run.call_forwarding([sys.executable, "-c", {SWEEP_STOPPED_BY_SIGTERM!r}, {str(tmp_path)!r} + "/" + folder],
+                               Path("."))
+run.run_sweep = fake_sweep
+run.report = lambda out: Path(out) / "TRANSFER.md"  # the repository's report stays as it is
+code = run.main(["--axes", "width", "--out", {str(tmp_path / 'out')!r}])
+Path({str(tmp_path / 'started')!r}).write_text(",".join(started))
+sys.exit(code)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=tmp_path, env=cli_env(), start_new_session=True)
+    try:
+        end = time.monotonic() + 60
+        while not (tmp_path / "width_standard").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert (tmp_path / "width_standard").exists()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (tmp_path / "started").read_text() == "width_standard"
+
+
+def test_report_only_from_a_folder_without_runs_is_refused_in_one_line_and_writes_nothing(tmp_path):
+    """(A copy of the study's scripts and report: the repository's TRANSFER.md is never at stake.)"""
+    import shutil
+
+    study = tmp_path / "experiments"
+    shutil.copytree(SCRIPT.parent, study / "transfer", ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    (study / "reproduce").mkdir()
+    shutil.copy(REPO / "experiments" / "reproduce" / "run.py", study / "reproduce" / "run.py")
+    before = (study / "transfer" / "TRANSFER.md").read_bytes()
+    ran = subprocess.run([sys.executable, str(study / "transfer" / "run.py"), "--report-only", "--out",
+                          str(tmp_path / "none")], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 2, ran.stderr
+    assert len(ran.stderr.strip().splitlines()) == 1 and "holds no runs of the study's sweeps" in ran.stderr
+    assert not (tmp_path / "none").exists()
+    assert (study / "transfer" / "TRANSFER.md").read_bytes() == before

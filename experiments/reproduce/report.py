@@ -52,6 +52,7 @@ from tuned_part import part_tuned  # noqa: E402
 from verdicts import DEFINITIONS, claim, count_words, verdict  # noqa: E402
 
 from attnres.atomic import read_json  # noqa: E402
+from attnres.results.summary import find_job_dirs  # noqa: E402
 
 # -- the report ------------------------------------------------------------------------------------------
 TUNED_TITLE = "7. Each arm at its own learning rate (a tuned comparison)"
@@ -143,7 +144,7 @@ def update_report(out: Path, ran: Sequence[str]) -> tuple[Path, str]:
     (a machine that holds some parts' runs) the report is never rebuilt without the others'
     sections: the sections of the parts that ran and can be updated alone are spliced in, and the
     second value says what was kept."""
-    absent = [name for name in FOLDERS if not (out / name).is_dir()]
+    absent = [name for name in FOLDERS if not has_runs(out / name)]
     if not absent:
         return write_report(out), ""
     done = [name for name in ran if name in SPLICES]
@@ -152,7 +153,27 @@ def update_report(out: Path, ran: Sequence[str]) -> tuple[Path, str]:
         report = SPLICES[name](out)
     what = f"section(s) of part(s) {', '.join(done)} updated" if done else "nothing in it updated"
     return report, (f"REPORT.md kept as written: part(s) {', '.join(absent)} have no runs in {out}; {what}. "
-                    "`--report-only` rebuilds it from the runs here alone")
+                    "It is rebuilt whole only from a folder that holds every part's runs")
+
+
+class NoRunsError(Exception):
+    """A rebuild asked of a folder that holds none of the parts' runs asked for (nothing is written)."""
+
+
+def has_runs(folder: Path) -> bool:
+    return folder.is_dir() and bool(find_job_dirs(folder))
+
+
+def rebuild(out: Path, parts: Sequence[str] = FOLDERS) -> tuple[Path, str]:
+    """`run.py --report-only` (and this module's command): REPORT.md from the runs in `out`, as
+    update_report does after parts `parts` ran; a folder without any of their runs is refused
+    (NoRunsError) before anything is written, so the report and figures measured elsewhere stay."""
+    present = [name for name in parts if has_runs(out / name)]
+    if not present:
+        raise NoRunsError(f"{out} holds no runs of part(s) {', '.join(p for p in parts if p in FOLDERS)}: nothing "
+                          "to rebuild REPORT.md from (it and its figures are kept as written); pass the output "
+                          "folder of a run.py that ran them (--out)")
+    return update_report(out, present)
 
 
 def _wall(state: dict, part: str) -> str:
@@ -232,7 +253,9 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE / "runs")
+    parser.add_argument("--out", type=Path, default=HERE / "runs",
+                        help="the runs' folder (default experiments/reproduce/runs); REPORT.md and figures/ stay "
+                             "beside this file")
     parser.add_argument("--only-tuned", action="store_true",
                         help="update only the tuned section (the other parts' runs need not be here)")
     parser.add_argument("--only-tasks", action="store_true",
@@ -243,4 +266,9 @@ if __name__ == "__main__":
         for splice_part in [splice_tuned] * args.only_tuned + [splice_tasks] * args.only_tasks:
             print(splice_part(out))
     else:
-        print(write_report(out))
+        try:
+            written, kept = rebuild(out)
+        except NoRunsError as err:
+            print(f"report.py: {err}", file=sys.stderr)
+            sys.exit(2)
+        print(f"{written}" + (f" ({kept})" if kept else ""))

@@ -11,10 +11,12 @@ experiment=synthetic_depth with `eval.tasks=[attnres_pointer]` (tasks_part.py), 
 `experiments/reproduce/runs/<part>/` (`--out` moves it). Every sweep runs with `resume=true`: run
 the command again after a crash, a kill or Ctrl-C and finished jobs are skipped, unfinished ones
 continue from their last checkpoint. The wall time of each part is added up across invocations
-in `runs/state.json`. The report (experiments/reproduce/report.py) is rebuilt at the end when the
-output folder holds every part's runs; where it holds only some (another machine ran the rest),
-the sections of the parts just run that stand alone (tuned, tasks) are spliced into REPORT.md and
-the rest is kept as written. `--report-only` rebuilds it from whatever runs are there.
+in `runs/state.json`. The report is always experiments/reproduce/REPORT.md and figures/ (beside
+this file; `--out` moves the runs, not the report), built by report.py from the runs in the output
+folder: rebuilt whole when the folder holds every part's runs; where it holds only some (another
+machine ran the rest), the sections of the parts that stand alone (tuned, tasks) are spliced into
+REPORT.md and the rest is kept as written, figures included. `--report-only` does the same from the
+runs already there, and refuses, in one line and writing nothing, a folder with none of them.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ PARTS = (
                         "(experiment=depth_study; depth_part.py); about 3.5 hours",
          (Sweep("depth_tuned", ("experiment=depth_study",)),)),
 )
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # what call_forwarding returns after Ctrl-C or a kill
 NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "ladder")  # the parts that read the tokenized stdlib
 
 
@@ -109,19 +112,25 @@ def write_state(out: Path, state: dict) -> None:
 def call_forwarding(command: list[str], cwd: Path) -> int:
     """Run a sweep and wait for it, passing Ctrl-C and SIGTERM on to it exactly once each: the sweep
     runs in a session of its own, so a terminal's Ctrl-C reaches it through this script alone, and a
-    `kill` of this script stops the sweep (its jobs save) instead of leaving it running unseen."""
+    `kill` of this script stops the sweep (its jobs save) instead of leaving it running unseen.
+    Returns the sweep's exit status, or 128 + the signal's number (130, 143: STOPPED) when one came:
+    a sweep may end 1 (or even 0) after its own SIGTERM, and the caller must stop all the same
+    instead of starting the next sweep."""
     proc = subprocess.Popen(command, cwd=cwd, start_new_session=True)
+    received: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
+        received.append(signum)
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return 128 + received[0] if received else code
 
 
 def run_sweep(sweep: Sweep, out: Path, jobs: int | None) -> int:
@@ -133,6 +142,19 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int | None) -> int:
     return call_forwarding(command, REPO)
 
 
+def report_only(out: Path, wanted: list[str]) -> int:
+    """--report-only: REPORT.md from the runs already in `out` (report.rebuild), or one line, exit 2."""
+    from report import NoRunsError, rebuild  # experiments/reproduce/report.py, beside this file
+
+    try:
+        report, kept = rebuild(out, [p for p in wanted if p != "prepare"])
+    except NoRunsError as err:
+        print(f"run.py: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {report}" + (f" ({kept})" if kept else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -141,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of {', '.join(names)} (default: all)")
     parser.add_argument("--jobs", type=int, default=2,
                         help="parallel jobs, each with its share of the cores (default 2; 0: the launcher's)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default experiments/reproduce/runs)")
-    parser.add_argument("--report-only", action="store_true", help="only rebuild REPORT.md from the runs so far")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the runs' folder (default experiments/reproduce/runs); REPORT.md and figures/ stay "
+                             "beside run.py, built from the runs found here")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only update REPORT.md from the runs in --out (refused when it holds none of --parts')")
     args = parser.parse_args(argv)
     wanted = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(wanted) - set(names))
@@ -153,38 +178,39 @@ def main(argv: list[str] | None = None) -> int:
         print("run.py: --jobs must be 0 or more (0: the launcher decides)", file=sys.stderr)
         return 2
     out = (args.out or HERE / "runs").resolve()
+    if args.report_only:
+        return report_only(out, wanted)
     out.mkdir(parents=True, exist_ok=True)
     failed = []
-    if (not args.report_only and "prepare" not in wanted and not (DATA / "meta.json").is_file()
+    if ("prepare" not in wanted and not (DATA / "meta.json").is_file()
             and any(p in NEEDS_DATA for p in wanted)):
         wanted.insert(0, "prepare")  # the sweeps read the tokenized data
-    if not args.report_only:
-        parts = [p for p in PARTS if p.name in wanted]
-        for number, part in enumerate(parts, 1):
-            print(f"\n== part {number}/{len(parts)}: {part.name}: {part.question}", flush=True)
-            start = time.monotonic()
-            codes = ([prepare()] if part.name == "prepare" else
-                     [run_sweep(sweep, out, args.jobs or None) for sweep in part.sweeps])
-            state = read_state(out)
-            entry = state.setdefault(part.name, {"wall_s": 0.0, "invocations": 0})
-            entry["wall_s"] = round(entry["wall_s"] + time.monotonic() - start, 1)
-            entry["invocations"] += 1
-            entry["complete"] = all(code == 0 for code in codes)
-            write_state(out, state)
-            print(f"== part {part.name}: {'done' if entry['complete'] else 'INCOMPLETE'} "
-                  f"({entry['wall_s'] / 60:.1f} min in all)", flush=True)
-            if not entry["complete"]:
-                failed.append(part.name)
-            if any(code in (130, 143) for code in codes):  # Ctrl-C or SIGTERM: stop here, resumable
-                print("run.py: interrupted; run the same command again to continue", file=sys.stderr)
-                return codes[-1]
-    from report import update_report, write_report  # experiments/reproduce/report.py, beside this file
+    parts = [p for p in PARTS if p.name in wanted]
+    for number, part in enumerate(parts, 1):
+        print(f"\n== part {number}/{len(parts)}: {part.name}: {part.question}", flush=True)
+        start = time.monotonic()
+        codes = [prepare()] if part.name == "prepare" else []
+        for sweep in part.sweeps:
+            codes.append(run_sweep(sweep, out, args.jobs or None))
+            if codes[-1] in STOPPED:
+                break
+        state = read_state(out)
+        entry = state.setdefault(part.name, {"wall_s": 0.0, "invocations": 0})
+        entry["wall_s"] = round(entry["wall_s"] + time.monotonic() - start, 1)
+        entry["invocations"] += 1
+        entry["complete"] = all(code == 0 for code in codes)
+        write_state(out, state)
+        print(f"== part {part.name}: {'done' if entry['complete'] else 'INCOMPLETE'} "
+              f"({entry['wall_s'] / 60:.1f} min in all)", flush=True)
+        if not entry["complete"]:
+            failed.append(part.name)
+        if codes[-1] in STOPPED:  # Ctrl-C or SIGTERM: stop here, resumable
+            print("run.py: interrupted; run the same command again to continue", file=sys.stderr)
+            return codes[-1]
+    from report import update_report  # experiments/reproduce/report.py, beside this file
 
-    if args.report_only:
-        print(f"report: {write_report(out)}")
-    else:
-        report, kept = update_report(out, [p.name for p in PARTS if p.name in wanted])
-        print(f"report: {report}" + (f" ({kept})" if kept else ""))
+    report, kept = update_report(out, [p.name for p in PARTS if p.name in wanted])
+    print(f"report: {report}" + (f" ({kept})" if kept else ""))
     if failed:
         print(f"run.py: part(s) {', '.join(failed)} did not finish every job; the report says which; "
               "run the same command again to continue", file=sys.stderr)

@@ -12,9 +12,10 @@ budget), each into runs/<axis>_<parametrization>/: widths 32, 64, 128, 256 at 4 
 5-point log grid (factor 2 around 3e-3, grown at an edge) over tuning seeds 1000 and 1001; under mup
 the smallest size is the base (model.base_width=32, model.base_depth=4). Each arm's one verdict run
 (seed 0) is not used here. The wall time of each sweep adds up across invocations in
-runs/state.json. The report (`report`, below) writes TRANSFER.md beside this file and
-figures/transfer_<axis>.png: loss against lr, a curve per size, a panel per strategy and
-parametrization; and, per setting, the optimum at each size and how many grid steps it moved.
+runs/state.json. The report (`report`, below) writes TRANSFER.md beside this file (`--out` moves the
+runs, not the report; an axis without runs there keeps its section, and `--report-only` from a folder
+with none is refused in one line) and figures/transfer_<axis>.png: loss against lr, a curve per size,
+a panel per strategy and parametrization; and, per setting, the optimum at each size and how many grid steps it moved.
 base_search.py (beside this file) measures what mup carries from the base besides the lr: the init.
 """
 
@@ -61,6 +62,14 @@ def _reproduce_run():
 
 _REPRODUCE = _reproduce_run()
 read_state, write_state, call_forwarding = _REPRODUCE.read_state, _REPRODUCE.write_state, _REPRODUCE.call_forwarding
+STOPPED = _REPRODUCE.STOPPED  # call_forwarding's status after Ctrl-C or a SIGTERM to this script
+
+
+def has_runs(folder: Path) -> bool:
+    """Whether a sweep's folder holds a tuned search's record (what the report reads)."""
+    from attnres.results import tuning
+
+    return bool(tuning.read_state(folder).get("groups"))
 
 
 def run_sweep(folder: str, overrides: list[str], out: Path, jobs: int | None) -> int:
@@ -325,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=0,
                         help="parallel jobs, each with its share of the cores (default 0: the launcher's, "
                              "half the cores this process may use; 1 under `taskset -c 1`)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default experiments/transfer/runs)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the runs' folder (default experiments/transfer/runs); TRANSFER.md and figures/ stay "
+                             "beside run.py, built from the runs found here (an axis without runs there keeps "
+                             "its section)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild TRANSFER.md from the runs so far")
     args = parser.parse_args(argv)
     axes = [a for a in args.axes.split(",") if a]
@@ -338,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         print("run.py: --jobs must be 0 or more (0: the launcher decides)", file=sys.stderr)
         return 2
     out = (args.out or HERE / "runs").resolve()
+    if args.report_only and not any(has_runs(out / folder) for folder, _ in sweeps(list(AXES))):
+        print(f"run.py: {out} holds no runs of the study's sweeps: nothing to rebuild TRANSFER.md from (it and its "
+              "figures are kept as written); pass the output folder of a run.py that ran them (--out)",
+              file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     if not args.report_only:
@@ -354,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             write_state(out, state)
             if code:
                 failed.append(folder)
-            if code in (130, 143):  # Ctrl-C or SIGTERM: stop here, resumable
+            if code in STOPPED:  # Ctrl-C or SIGTERM, whatever the sweep exited with: stop here, resumable
                 print("run.py: interrupted; run the same command again to continue", file=sys.stderr)
                 return code
     print(f"report: {report(out)}")
