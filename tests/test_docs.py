@@ -269,12 +269,74 @@ def check_attnres_run(command: Command, argv: list[str], env: dict[str, str], fo
         return
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # a failure of the checks themselves is raised too
     check_command_line(argv, CONF)
+    check_sweep_start(argv, folder)
     from hydra._internal.utils import _locate
 
     for arg in argv:
         key, _, value = arg.lstrip("+").partition("=")
         if key.endswith("._target_"):
             _locate(value)  # raises when the docs name something that does not exist
+
+
+def sweep_start_checks(argv: list[str], sweep_dir: Path) -> str:
+    """What the sweeper of a `-m` command checks as it starts, without running a job: the tuned
+    sweeper (`tune=lr`, `tune=optuna`) its settings, the arms, metric, baseline and centres
+    (`TunedSweeper.check`, `start_state`); the plain one the jobs of its cross product (each
+    composed as the launcher will). Returns which sweeper it was; raises what the sweeper would."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.utils import setup_globals
+    from hydra.types import HydraContext, RunMode
+    from omegaconf import OmegaConf
+
+    import attnres.config.naming  # noqa: F401  (the run folder names' resolver)
+    from attnres.config.command import parse_arguments
+    from attnres.sweep import plan
+    from attnres.sweep.tuned import TunedSweeper
+
+    args = parse_arguments(argv)
+    setup_globals()
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
+    config = loader.load_configuration(args.config_name or "config", overrides=[*args.overrides,
+                                       f"hydra.sweep.dir={sweep_dir}"], run_mode=RunMode.MULTIRUN)
+    task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+    target = str(config.hydra.sweeper.get("_target_", ""))
+    if target.endswith("TunedSweeper"):
+        settings = OmegaConf.to_container(config.hydra.sweeper, resolve=False)
+        settings.pop("_target_")
+        sweeper = TunedSweeper(**settings)
+        sweeper.config, sweeper.hydra_context = config, HydraContext(config_loader=loader, callbacks=None)
+        jobs = sweeper.jobs_of(task)
+        if not jobs:
+            raise plan.no_jobs_error(config)
+        sweeper.check(jobs)
+        sweeper.start_state(sweep_dir, jobs, announce=False)  # the start line's GPU-hours price is no check
+        return "tuned"
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    parser = OverridesParser.create(config_loader=loader)
+    jobs = BasicSweeper.split_arguments(parser.parse_overrides([*params, *task]), None)[0]
+    if not jobs:
+        raise plan.no_jobs_error(config)
+    for job in jobs:
+        loader.load_sweep_config(config, list(job))
+    return "plain"
+
+
+SWEEPS_CHECKED: dict[str, list[str]] = {"tuned": [], "plain": []}
+
+
+def check_sweep_start(argv: list[str], folder: Path) -> None:
+    if not any(a in ("-m", "--multirun") for a in argv) or any(a.startswith(("--cfg", "--info", "-c")) for a in argv):
+        return
+    from attnres.sweep import slots
+
+    sweep_dir = folder / "docs-sweep"
+    kind = sweep_start_checks(argv, sweep_dir)
+    assert not sweep_dir.exists(), "the sweeper's start checks wrote into the sweep folder"
+    assert str(sweep_dir.resolve()) not in slots._sweep_locks
+    SWEEPS_CHECKED[kind].append(" ".join(argv))
 
 
 @functools.cache
@@ -583,3 +645,12 @@ def test_every_installed_command_is_a_known_first_word():
     """A block of `attnres-<new command>` lines is a command block, checked like the others."""
     scripts = set(pyproject()["project"]["scripts"])
     assert scripts <= COMMANDS, f"add {sorted(scripts - COMMANDS)} to COMMANDS"
+
+
+def test_the_sweep_start_checks_refuse_what_the_sweeper_refuses(tmp_path):
+    from attnres.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hydra.sweeper.metric=val/los"):
+        sweep_start_checks(["-m", "tune=lr", "residual=standard,block", "seed=0", "hydra.sweeper.metric=val/los"],
+                           tmp_path / "sweep")
+    assert sweep_start_checks(["-m", "residual=standard,block", "seed=0,1"], tmp_path / "sweep") == "plain"

@@ -305,8 +305,9 @@ class TunedSweeper(Sweeper):
                   "search lower values (e.g. hydra.sweeper.grid.centre) and run again", file=sys.stderr, flush=True)
         on_demand.tuned_looks(self, sweep_dir, state)  # the verdict stage, once or (seeds.on_demand) once a look
 
-    def start_state(self, sweep_dir: Path, jobs: list[list[str]]) -> dict[str, Any]:
-        """The search's groups and the verdict's arms, checked against a resumed sweep's record."""
+    def start_state(self, sweep_dir: Path, jobs: list[list[str]], announce: bool = True) -> dict[str, Any]:
+        """The search's groups and the verdict's arms, checked against a resumed sweep's record (and
+        the start line printed, unless `announce` is False: tests/test_docs.py's checks)."""
         before = tuning.read_state(sweep_dir)
         signature = self.signature()
         resuming = bool(self.config.get("resume")) and not self.config.get("overwrite")
@@ -363,7 +364,8 @@ class TunedSweeper(Sweeper):
         self.check_answerable(list(arms.values()), cfg)
         state = {"signature": signature, "tuning_seeds": self.tuning_seeds,
                  "groups": list(groups.values()), "arms": list(arms.values()), "stage": "search"}
-        self.announce(state)
+        if announce:
+            self.announce(state)
         return state
 
     def trial_overrides(self, group: Mapping[str, Any], values: Mapping[str, Any], seed: int) -> list[str]:
