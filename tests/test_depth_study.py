@@ -37,7 +37,7 @@ def jobs():
             head = compose("config", overrides=["experiment=depth_study", f"scale={scale}"], return_hydra_config=True)
             params = head.hydra.sweeper.params
             assert head.hydra.sweeper._target_.endswith("TunedSweeper") and head.hydra.sweeper.grid.points == 3
-            assert params.seed == "0,1,2"  # fixed until seeds on demand lands (the preset's marked line)
+            assert "seed" not in params and head.seeds.on_demand and (head.seeds.start, head.seeds.max) == (3, 4)
             found[scale] = [(d, r, compose("config", overrides=["experiment=depth_study", f"scale={scale}",
                                                                 f"depth={d}", f"residual={r}"]))
                             for d in params.depth.split(",") for r in params.residual.split(",")]
@@ -89,7 +89,8 @@ def test_cfg_job_composes_at_both_scales(tmp_path, scale):
 
 @pytest.mark.slow
 def test_a_tiny_study_finishes_on_cpu_and_the_section_reads_it(tmp_path):
-    result = run_cli("-m", "experiment=depth_study", "depth=L8,L24", "residual=standard,depth_scaled", "seed=0,1",
+    result = run_cli("-m", "experiment=depth_study", "depth=L8,L24", "residual=standard,depth_scaled",
+                     "seeds.on_demand=false", "seed=0,1",
                      "shapes.cpu.steps=3", "shapes.cpu.val_every=3", "shapes.cpu.warmup=1",
                      "hydra.sweeper.grid.points=1", "hydra.sweeper.grid.max_extend=0",
                      "hydra.sweeper.tuning_seeds=[1000]", "data.max_files=40", "data.val_batches=1", "logger=none",

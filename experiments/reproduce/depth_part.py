@@ -228,8 +228,8 @@ def _answers(found: Mapping[tuple[str, int], Gap], depths: Sequence[int]) -> lis
               "deepest models see the fewest tokens per parameter (the table) and the gap there mixes depth "
               "with under-training; 800 steps of 128-byte sequences, far from the paper's 8,192-token context "
               "and 38.7B tokens; the lr alone tuned (warm-up, weight decay, the queries' lr scale fixed); three "
-              "verdict seeds, fixed in advance (seeds on demand, issue 50, would add them until each comparison "
-              "resolves). A gain that needs width or data to appear cannot appear here, and a null here is not "
+              "to four verdict seeds (seeds on demand stop at the budget's maximum, resolved or not). A gain "
+              "that needs width or data to appear cannot appear here, and a null here is not "
               "evidence against it at the paper's sizes.", "",
               "The GPU preset asks the same at a useful size: `attnres-run -m experiment=depth_study scale=gpu "
               "data=tokens data.path=<corpus> trainer=gpu` runs the same arms and depths at width 512 on 1.5G "
