@@ -65,7 +65,10 @@ def test_the_standard_parametrization_trains_as_the_model_did_before_the_option(
     b_init, b_final, b_losses, b_groups = BEFORE[name]
     assert init == b_init  # the same random draws, to the bit
     assert groups == b_groups
-    assert final == pytest.approx(b_final, rel=1e-12, abs=0)
+    # float64 sums after three AdamW steps: the recorded value reproduces to ~1e-12 on the machine that
+    # recorded it, and to ~3e-10 on a CPU with other SIMD widths (a float64 matmul's reduction order);
+    # a branch multiplier 0.7% off moves it by 7e-3, so 1e-8 still holds the rule to the recorded model
+    assert final == pytest.approx(b_final, rel=1e-8, abs=0)
     assert losses == pytest.approx(b_losses, rel=1e-6, abs=0)  # the loss is computed in float32
     model = Transformer(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, residual=residual)
     assert model.output_scale is None and model.lr_scales() == {}
