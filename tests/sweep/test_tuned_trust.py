@@ -248,7 +248,8 @@ def test_a_trial_sigkilled_on_the_command_line_runs_again_before_anything_is_cho
                             text=True)
     deadline, killed = time.monotonic() + 300, None
     while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        for line in subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines():
+        listing = subprocess.run(["ps", "-eww", "-o", "pid,ppid,args"], capture_output=True, text=True).stdout
+        for line in listing.splitlines():
             pid, ppid, *rest = line.split(None, 2)
             if rest and "attnres.sweep.job" in rest[0] and f"{tmp_path}/k/tuning/" in rest[0]:  # this sweep's only
                 os.kill(int(pid), signal.SIGKILL)  # as the kernel's out-of-memory killer would
