@@ -78,12 +78,25 @@ def _leading(items: list[str]) -> list[str]:
     return sorted(items, key=lambda item: rank.get(item.partition("=")[0].lstrip("+~"), len(rank)))
 
 
-def run_id(override_dirname: str) -> str:
-    """The folder name of a run from Hydra's `override_dirname` ("defaults" when empty)."""
-    if not override_dirname:
-        return "defaults"
+def _checkpoint(ckpt_path: str) -> str:
+    """`from=RUN.last-<hash>` for RUN/checkpoints/last.ckpt: the run and the file a checkpoint came from."""
+    parts = [p for p in str(ckpt_path).split("/") if p not in ("", ".", "..")]
+    stem = parts[-1].removesuffix(".ckpt") if parts else ""
+    run = parts[-3] if len(parts) >= 3 and parts[-2] == "checkpoints" else (parts[-2] if len(parts) >= 2 else "")
+    readable = _UNSAFE.sub("", (f"{run}.{stem}" if run else stem).replace("=", "-")).lstrip(".")[:64]
+    return f"from={readable}-{_digest(str(ckpt_path))}" if readable else f"from={_digest(str(ckpt_path))}"
+
+
+def run_id(override_dirname: str, ckpt_path: str | None = None, mode: str | None = None) -> str:
+    """The folder name of a run from Hydra's `override_dirname` ("defaults" when empty). A run that
+    uses a checkpoint without training it (mode=eval, mode=sample) leads with the checkpoint it read
+    (`from=RUN.last-<hash>`): what differs between two samples is the model, not the prompt."""
     items = []
-    for item in split_overrides(override_dirname):
+    if mode in ("eval", "sample") and ckpt_path:
+        items.append(_checkpoint(ckpt_path))
+    if not override_dirname and not items:
+        return "defaults"
+    for item in split_overrides(override_dirname) if override_dirname else []:
         key, sep, value = item.partition("=")
         items.append(f"{key.replace('/', '.')}{sep}{_flat(value)}" if sep else _flat(item))
     name = ",".join(_leading(items))
@@ -91,7 +104,9 @@ def run_id(override_dirname: str) -> str:
         name = "_" + name
     if len(name.encode()) > MAX_BYTES:
         head = name.encode()[: MAX_BYTES - HASH_CHARS - 1].decode(errors="ignore")
-        name = f"{head}-{_digest(override_dirname)}"
+        whole = override_dirname if len(items) == len(split_overrides(override_dirname or "")) and override_dirname \
+            else f"{items[0]},{override_dirname}"  # a checkpoint's name leads: it is part of the whole
+        name = f"{head}-{_digest(whole)}"
     return name
 
 

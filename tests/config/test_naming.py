@@ -59,3 +59,37 @@ def test_a_sweeps_folders_lead_with_what_differs(monkeypatch):
     names = {naming.run_id(f"model.n_layer=2,num_blocks=2,residual={r},seed={s}")[:30]
              for r in ("standard", "block") for s in range(3)}
     assert len(names) == 6  # distinct within the 30 characters a narrow run list shows
+
+
+def test_eval_and_sample_folders_lead_with_the_checkpoint():
+    """Issue "The first hour, round two", item 7: sample folders were named after the prompt, so two
+    checkpoints sampled with one prompt shared a folder; what differs between them is the checkpoint."""
+    dirname = "mode=sample,sample.prompt=def main"
+    block = run_id(dirname, "outputs/default/residual=block/checkpoints/last.ckpt", "sample")
+    standard = run_id(dirname, "outputs/default/residual=standard/checkpoints/last.ckpt", "sample")
+    best = run_id(dirname, "outputs/default/residual=block/checkpoints/best.ckpt", "sample")
+    assert block.startswith("from=residual-block.last-") and block.endswith(",mode=sample,sample.prompt=def main")
+    assert standard.startswith("from=residual-standard.last-")
+    assert len({block, standard, best}) == 3
+    assert run_id("", "runs/a/checkpoints/last.ckpt", "eval").startswith("from=a.last-")
+    # training from a checkpoint, or no checkpoint: the names they always had
+    assert run_id("residual=block", "runs/a/checkpoints/last.ckpt", "train") == "residual=block"
+    assert run_id(dirname, None, "sample") == dirname and run_id("") == "defaults"
+    long = "x=" + "a" * 300
+    assert run_id(long, "r/checkpoints/last.ckpt", "sample") != run_id(long, "s/checkpoints/last.ckpt", "sample")
+
+
+def test_the_run_folder_interpolation_passes_the_checkpoint_and_mode():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tests.helpers import CONF
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["mode=sample", "ckpt_path=runs/a/checkpoints/last.ckpt"],
+                      return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    cfg.hydra.job.override_dirname = "mode=sample"
+    assert cfg.hydra.run.dir.endswith("/from=a.last-" + cfg.hydra.run.dir.rsplit("-", 1)[1])
+    assert cfg.hydra.sweep.subdir.startswith("from=a.last-") and cfg.hydra.sweep.subdir.endswith(",mode=sample")
