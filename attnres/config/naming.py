@@ -1,5 +1,5 @@
-"""Run folder names: `${attnres.run_id:${hydra.job.override_dirname}}` in conf/config.yaml, for
-single runs (`hydra.run.dir`) and sweep jobs (`hydra.sweep.subdir`) alike.
+"""Run folder names: `${attnres.run_id:${hydra.job.override_dirname},${ckpt_path},${mode}}` in
+conf/config.yaml, for single runs (`hydra.run.dir`) and sweep jobs (`hydra.sweep.subdir`) alike.
 
 A name is one flat folder: the overrides as given (`num_blocks=8,residual=block`), led by the keys
 a sweep varies (`SWEPT_ENV`: `residual=block,seed=1,model.n_layer=2,num_blocks=2` for
