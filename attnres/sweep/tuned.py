@@ -18,6 +18,7 @@ their arm's choice: a relative value carries over as the same multiple of that j
 value. `tuning/tuning.json` records the search; the summary (`attnres.results.tuned_summary`)
 leads with the tuned verdict. A resumed sweep (`resume=true`) redoes no finished trial and
 replays the same decisions; a resume whose search settings changed is refused, naming them.
+The refusals before any run, and the start line, are `tuned_start.py`'s.
 """
 
 from __future__ import annotations
@@ -38,13 +39,12 @@ from attnres.config.errors import ConfigError, user_errors
 from attnres.config.rules import BOOL
 from attnres.results import tuning
 from attnres.results.summary import config_labels, overrides_by_key
-from attnres.sweep import on_demand, plan, stopping, tuned_proxy
+from attnres.sweep import on_demand, plan, stopping, tuned_proxy, tuned_start
+from attnres.sweep.tuned_start import job_seeds, override_key
 
 log = logging.getLogger(__name__)
 
 TUNE_GROUP = "tune"  # the config group that picks this sweeper: not part of an arm's name
-#: what a run's metrics.json holds (attnres/training/lit.py logs them); eval.tasks adds <task>/<metric>
-RUN_METRICS = ("val/loss", "val/bpb", "val/accuracy", "train/loss", "train/bpb")
 
 
 class TunedSweeper(Sweeper):
@@ -64,7 +64,7 @@ class TunedSweeper(Sweeper):
         if not isinstance(untuned, bool):
             self.problems.append(f"hydra.sweeper.untuned={untuned} {BOOL.problem(untuned)}; "
                                  f"{BOOL.wanted('hydra.sweeper.untuned')}")
-        self.tuning_seeds = _seed_list(tuning_seeds, self.problems)
+        self.tuning_seeds = tuned_start.seed_list(tuning_seeds, self.problems)
         self.grid = {"keys": ["optim.optimizer.lr"], "points": 5, "factor": 2.0, "max_extend": 3, "centre": {},
                      **(grid or {})}
         centre = self.grid.get("centre") or {}
@@ -127,80 +127,8 @@ class TunedSweeper(Sweeper):
         return path.relative_to(sweep_dir).as_posix(), path
 
     def check(self, jobs: list[list[str]]) -> None:
-        """The refusals before anything runs, each one line (exit 2)."""
-        if self.problems:
-            raise ConfigError(self.problems[0])
-        if self.method not in ("grid", "optuna"):
-            raise ConfigError(f"hydra.sweeper.method={self.method} is not a search method; use grid or optuna")
-        if not self.tuning_seeds:
-            raise ConfigError("hydra.sweeper.tuning_seeds is empty; give the search at least one seed, "
-                              "e.g. hydra.sweeper.tuning_seeds=[1000,1001]")
-        verdict = {s for job in jobs for s in _seeds(job)} or {int(self.config.seed)}
-        shared = sorted(verdict & set(self.tuning_seeds))
-        if shared:
-            raise ConfigError(
-                f"seed {', '.join(map(str, shared))} is both a tuning seed and a verdict seed: a verdict must not "
-                "read the runs its arms were chosen on; pick verdict seeds outside hydra.sweeper.tuning_seeds="
-                f"{self.tuning_seeds}, or set hydra.sweeper.tuning_seeds to other seeds")
-        if self.method == "grid":
-            points, factor, extend = self.grid["points"], self.grid["factor"], self.grid["max_extend"]
-            if not isinstance(points, int) or points < 1 or points % 2 == 0:
-                raise ConfigError(f"hydra.sweeper.grid.points={points} must be an odd number of points (the "
-                                  "configured value in the middle), e.g. 5")
-            if not isinstance(factor, (int, float)) or factor <= 1:
-                raise ConfigError(f"hydra.sweeper.grid.factor={factor} must be above 1, e.g. 2")
-            if not isinstance(extend, int) or extend < 0:
-                raise ConfigError(f"hydra.sweeper.grid.max_extend={extend} must be 0 or more, e.g. 3")
-            if not self.grid["keys"]:
-                raise ConfigError("hydra.sweeper.grid.keys is empty; name the keys to search, "
-                                  "e.g. hydra.sweeper.grid.keys=[optim.optimizer.lr]")
-            for key, value in self.grid["centre"].items():
-                if key not in self.grid["keys"]:
-                    raise ConfigError(f"hydra.sweeper.grid.centre names {key}, which the grid does not search; "
-                                      f"centre one of hydra.sweeper.grid.keys={list(self.grid['keys'])}")
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                    raise ConfigError(f"hydra.sweeper.grid.centre.{key}={value} must be a number above 0 (the "
-                                      "value in the grid's middle), e.g. hydra.sweeper.grid.centre={" + key +
-                                      ":0.001}")
-        if self.method == "optuna":
-            from attnres.sweep.tuned_optuna import check_settings
-
-            check_settings(self)
-        self.check_proxy_keys()
-        if tuned_proxy.fractions(self.proxy_settings):
-            for key in (k for job in jobs for k in overrides_by_key(job)):
-                if key.lstrip("+~") in tuned_proxy.TARGET_KEYS:
-                    raise ConfigError(f"{key} is set by hydra.sweeper.proxy's width or depth fraction (the proxy is "
-                                      f"every job's muP base); leave {key}=... out")
-        searched = self.searched_keys()
-        groups = set(self.config.hydra.runtime.choices or {})
-        for job in jobs:
-            for key in overrides_by_key(job):
-                if key.lstrip("+~") in groups:
-                    continue  # optim=adamw,muon picks configs, each with its own value to centre on
-                if key.lstrip("+~") in searched or any(key.startswith(f"{k}.") or k.startswith(f"{key}.")
-                                                       for k in searched):
-                    raise ConfigError(f"{key} is both searched (hydra.sweeper) and set on the command line; "
-                                      f"leave {key}=... out, or search other keys (hydra.sweeper.grid.centre="
-                                      "{" + f"{key.lstrip('+~')}:VALUE" + "} centres the grid on a value)")
-
-    def check_proxy_keys(self) -> None:
-        """Each proxy key a fraction, or a config key or group the search sets: else one line with a
-        "did you mean" (`+hydra.sweeper.proxy.widht=0.25` would fail inside Hydra's composition)."""
-        import difflib
-
-        groups = set(self.config.hydra.runtime.choices or {})
-        for key in self.proxy:
-            head = key.split(".", 1)[0]
-            if key in groups or (head in self.config and OmegaConf.select(self.config, key, default=_ABSENT)
-                                 is not _ABSENT):
-                continue
-            known = [*tuned_proxy.FRACTIONS, *sorted(groups), *(str(k) for k in self.config if k != "hydra")]
-            close = difflib.get_close_matches(key, known, n=1)
-            maybe = f" (did you mean hydra.sweeper.proxy.{close[0]}?)" if close else ""
-            raise ConfigError(f"hydra.sweeper.proxy.{key} is not a proxy setting{maybe}; the proxy takes width and "
-                              "depth (fractions of the target's heads and layers) and config keys or groups the search "
-                              "alone runs with, e.g. +hydra.sweeper.proxy.size=194m")
+        """The refusals before anything runs, each one line (exit 2): tuned_start.check."""
+        tuned_start.check(self, jobs)
 
     def searched_keys(self) -> list[str]:
         if self.method == "grid":
@@ -222,31 +150,6 @@ class TunedSweeper(Sweeper):
     def is_baseline(self, overrides: Sequence[str], cfg: DictConfig) -> bool:
         return self.baseline_value(overrides, cfg) == self.baseline_spec()[1]
 
-    def check_answerable(self, arms: Sequence[Mapping[str, Any]], cfg: DictConfig) -> None:
-        """The metric is one the runs write, and a baseline given by name is an arm that others are
-        compared with: else the whole search would run to end with no verdict."""
-        import difflib
-
-        tasks = OmegaConf.select(cfg, "eval.tasks", default=None)
-        head = self.metric.split("/", 1)[0]
-        if self.metric not in RUN_METRICS and not (tasks and "/" in self.metric and head not in ("val", "train")):
-            close = difflib.get_close_matches(self.metric, RUN_METRICS, n=1)
-            maybe = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"hydra.sweeper.metric={self.metric} is not a metric the runs write{maybe}; choose one "
-                              f"of {', '.join(RUN_METRICS)} (or <task>/<metric> of eval.tasks)")
-        if self.baseline is None:
-            return
-        key, value = self.baseline_spec()
-        values = sorted({a["baseline_value"] for a in arms})
-        given = f"hydra.sweeper.baseline={self.baseline}"
-        if value not in values:
-            raise ConfigError(f"{given} matches no arm: every arm has {key}={' or '.join(values)}; name one of "
-                              f"those, e.g. hydra.sweeper.baseline={key}:{values[0]}")
-        if len(arms) > 1 and not any(a["baseline"] for a in arms):
-            raise ConfigError(f"{given}: no arm differs from it in {key} alone (every arm has {key}="
-                              f"{' or '.join(values)}); sweep {key} on the command line (e.g. {key}={value},...), or "
-                              "name the key the arms differ in, e.g. hydra.sweeper.baseline=residual:standard")
-
     def baseline_keys(self) -> tuple[str, ...]:
         key = self.baseline_spec()[0]
         return (key, "num_blocks") if key == "residual" else (key,)
@@ -264,7 +167,7 @@ class TunedSweeper(Sweeper):
                 on_demand.check_tuned(self, jobs)  # seeds.on_demand: its seeds are no tuning seed
                 state = self.start_state(sweep_dir, jobs)
         except SystemExit:  # refused: the folder as it was (the sweep callback locked it before this sweeper ran)
-            _unlock_if_untouched(sweep_dir)
+            tuned_start.unlock_if_untouched(sweep_dir)
             raise
         fresh = not tuning.state_path(sweep_dir).is_file()
         if fresh or self.config.get("resume") or self.config.get("overwrite"):  # else the launcher refuses first
@@ -321,11 +224,11 @@ class TunedSweeper(Sweeper):
         groups: dict[tuple[str, ...], dict[str, Any]] = {}
         arms: dict[tuple[str, ...], dict[str, Any]] = {}
         for job in jobs:
-            arm_key = tuple(o for o in job if _key(o) != "seed")
-            group_key = tuple(o for o in arm_key if _key(o) not in proxy_keys)
+            arm_key = tuple(o for o in job if override_key(o) != "seed")
+            group_key = tuple(o for o in arm_key if override_key(o) not in proxy_keys)
             groups.setdefault(group_key, {"overrides": list(group_key)})
             arm = arms.setdefault(arm_key, {"overrides": list(arm_key), "group": group_key, "seeds": []})
-            arm["seeds"] += _seeds(job) or [int(self.config.seed)]
+            arm["seeds"] += job_seeds(job) or [int(self.config.seed)]
         glabels = config_labels({str(i): overrides_by_key(list(k), (TUNE_GROUP,)) for i, k in enumerate(groups)})
         alabels = config_labels({str(i): overrides_by_key(list(k), (TUNE_GROUP,)) for i, k in enumerate(arms)})
         found = tuned_proxy.fractions(self.proxy_settings)
@@ -357,15 +260,15 @@ class TunedSweeper(Sweeper):
             arm["group"] = groups[arm["group"]]["label"]
         drop = set(self.baseline_keys())
         for arm in arms.values():
-            rest = [o for o in arm["overrides"] if _key(o) not in drop]
+            rest = [o for o in arm["overrides"] if override_key(o) not in drop]
             arm["baseline"] = None if arm["is_baseline"] else next(
                 (b["label"] for b in arms.values() if b["is_baseline"]
-                 and [o for o in b["overrides"] if _key(o) not in drop] == rest), None)
-        self.check_answerable(list(arms.values()), cfg)
+                 and [o for o in b["overrides"] if override_key(o) not in drop] == rest), None)
+        tuned_start.check_answerable(self, list(arms.values()), cfg)
         state = {"signature": signature, "tuning_seeds": self.tuning_seeds,
                  "groups": list(groups.values()), "arms": list(arms.values()), "stage": "search"}
         if announce:
-            self.announce(state)
+            tuned_start.announce(self, state)
         return state
 
     def trial_overrides(self, group: Mapping[str, Any], values: Mapping[str, Any], seed: int) -> list[str]:
@@ -373,36 +276,6 @@ class TunedSweeper(Sweeper):
         return [*group["overrides"], *(f"{k}={v}" for k, v in self.proxy.items()), *group.get("narrow", []),
                 *(f"{k}={tuning.format_value(v)}" for k, v in values.items()), f"seed={seed}",
                 f"hydra.sweep.subdir='{tuning.TUNING_DIR}/{raw}'"]
-
-    def announce(self, state: Mapping[str, Any]) -> None:
-        groups, arms = state["groups"], state["arms"]
-        seeds = sorted({s for a in arms for s in a["seeds"]})
-        if self.method == "grid":
-            per = self.grid["points"] * len(self.tuning_seeds)
-            how = (f"{self.grid['points']}-point log grid (factor {self.grid['factor']:g}) of "
-                   f"{', '.join(self.grid['keys'])}, up to {self.grid['max_extend']} more points a side at an edge")
-        else:
-            per = int(self.optuna.get("trials", 12)) * len(self.tuning_seeds)
-            how = f"Optuna ({self.optuna.get('sampler', 'tpe')}), {self.optuna.get('trials', 12)} trials of " + \
-                  ", ".join(self.searched_keys())
-        proxy = f" at {', '.join(f'{k}={v}' for k, v in self.proxy.items())}" if self.proxy else ""
-        if groups and groups[0].get("narrow"):
-            proxy += (" at " if not self.proxy else ", ") + tuned_proxy.describe(groups[0]["narrow"]) + \
-                " (every job then runs under muP with it as its base)"
-        what = f"{len(arms)} arm{'s' * (len(arms) != 1)}" if len(arms) == len(groups) else \
-            f"{len(arms)} configurations, {len(groups)} arms"
-        print(f"tuned sweep: {what}; search{proxy}: {how}, on tuning seeds "
-              f"{', '.join(map(str, self.tuning_seeds))}: {per * len(groups)} runs ({per} per arm); verdict: "
-              f"{sum(len(a['seeds']) for a in arms)} runs on seeds {', '.join(map(str, seeds))}"
-              + (", and as many at the configured values (untuned=true)" if self.untuned else ""), flush=True)
-        hours = _gpu_hours([self.compose(self.trial_overrides(g, {}, self.tuning_seeds[0])) for g in groups])
-        if hours is not None:
-            verdict = _gpu_hours([self.compose([*a["overrides"], f"seed={s}"]) for a in arms for s in a["seeds"]])
-            full = _gpu_hours([self.compose([*a["overrides"], f"seed={self.tuning_seeds[0]}"]) for a in arms]) \
-                if self.proxy_settings else None
-            against = f" (the same search at every configuration's full size: {full * per:,.1f})" if full else ""
-            print(f"  about {hours * per:,.1f} GPU-hours of search trials{against} (more if a grid grows), and "
-                  f"{verdict or 0:,.1f} GPU-hours of verdict runs (costs.mfu, costs.peak_flops)", flush=True)
 
     def launch(self, batch: list[list[str]]) -> bool:
         """Run a batch through the configured launcher; False when the sweep was stopped."""
@@ -498,60 +371,6 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-_ABSENT = object()
-
-
-def _unlock_if_untouched(sweep_dir: Path) -> None:
-    """Drop this process's lock on a sweep folder that holds nothing else, and the folder itself with
-    the parents it made empty (up to the current folder): a refused sweep leaves nothing behind."""
-    import os
-
-    from attnres.sweep import slots
-
-    key = str(sweep_dir.resolve()) if sweep_dir.exists() else None
-    if key not in slots._sweep_locks or {p.name for p in sweep_dir.iterdir()} != {slots.SWEEP_LOCK}:
-        return
-    (sweep_dir / slots.SWEEP_LOCK).unlink(missing_ok=True)  # unlinked before it is unlocked: no one else takes it
-    os.close(slots._sweep_locks.pop(key))
-    cwd, folder = Path.cwd().resolve(), sweep_dir.resolve()
-    try:
-        folder.rmdir()
-    except OSError:
-        return
-    folder = folder.parent
-    while folder != cwd and cwd in folder.parents:  # multirun/ of multirun/<name>, when made for it
-        try:
-            folder.rmdir()  # only when empty
-        except OSError:
-            break
-        folder = folder.parent
-
-
-def _seed_list(value: Any, problems: list[str]) -> list[int]:
-    """`tuning_seeds` as a list of ints; a problem recorded (and the default kept) when it is not one."""
-    if isinstance(value, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in value):
-        return [int(s) for s in value]
-    shown = "[" + ",".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else value
-    problems.append(f"hydra.sweeper.tuning_seeds={shown} is not a list of integer seeds; "
-                    "e.g. hydra.sweeper.tuning_seeds=[1000,1001]")
-    return [1000, 1001]
-
-
-def _key(override: str) -> str:
-    return override.lstrip("+~").split("=", 1)[0]
-
-
-def _seeds(job: Sequence[str]) -> list[int]:
-    found = []
-    for o in job:
-        if _key(o) == "seed":
-            try:
-                found.append(int(o.split("=", 1)[1]))
-            except ValueError as err:
-                raise ConfigError(f"{o}: a seed is an integer; e.g. seed=0,1,2") from err
-    return found
-
-
 def _tokens(cfg: DictConfig) -> int | None:
     """Training tokens of one run of this config (steps x tokens a step), or None when unknown."""
     steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
@@ -561,15 +380,3 @@ def _tokens(cfg: DictConfig) -> int | None:
         accumulate = OmegaConf.select(cfg, "trainer.accumulate_grad_batches", default=1) or 1
         per_step = batch * block * accumulate if isinstance(batch, int) and isinstance(block, int) else None
     return int(steps * per_step) if isinstance(steps, int) and steps > 0 and per_step else None
-
-
-def _gpu_hours(configs: Sequence[DictConfig]) -> float | None:
-    """The GPU-hours of runs of these configs when their experiment prices them (`costs:`), else None."""
-    from attnres.config import costs
-
-    priced = [c for c in configs if OmegaConf.select(c, "costs") is not None]
-    if not priced:
-        return None
-    built: dict[str, int] = {}
-    return sum(costs.job_cost(c, built)["flops"] / (float(c.costs.mfu) * float(c.costs.peak_flops)) / 3600
-               for c in priced) / len(priced) * len(configs)
