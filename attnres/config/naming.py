@@ -63,7 +63,10 @@ def swept_keys(overrides: list[str]) -> list[str]:
         parsed = OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("-")])
     except Exception:  # noqa: BLE001  (a malformed override: Hydra refuses it in its own words later)
         return []
-    return [o.get_key_element().lstrip("+~").replace("/", ".") for o in parsed if o.is_sweep_override()]
+    keys = [o.get_key_element().lstrip("+~").replace("/", ".") for o in parsed if o.is_sweep_override()]
+    on_demand = any(o.get_key_element().lstrip("+~") == "seeds.on_demand"
+                    and str(o.value()).lower() in ("true", "1", "yes") for o in parsed)
+    return keys + ["seed"] if on_demand and "seed" not in keys else keys  # the design picks the seeds
 
 
 def set_swept_keys(overrides: list[str]) -> None:

@@ -93,3 +93,15 @@ def test_the_run_folder_interpolation_passes_the_checkpoint_and_mode():
     cfg.hydra.job.override_dirname = "mode=sample"
     assert cfg.hydra.run.dir.endswith("/from=a.last-" + cfg.hydra.run.dir.rsplit("-", 1)[1])
     assert cfg.hydra.sweep.subdir.startswith("from=a.last-") and cfg.hydra.sweep.subdir.endswith(",mode=sample")
+
+
+def test_seeds_on_demand_folders_lead_with_the_seed(monkeypatch):
+    """Seeds on demand picks the seeds itself, so `seed` varies between the jobs without being on the
+    command line: without this its job folders read residual=block,data.batch_size=4,... for every seed."""
+    from attnres.config import naming
+
+    monkeypatch.delenv(naming.SWEPT_ENV, raising=False)
+    assert naming.swept_keys(["-m", "residual=standard,block", "seeds.on_demand=true"]) == ["residual", "seed"]
+    assert naming.swept_keys(["-m", "residual=standard,block", "seeds.on_demand=false"]) == ["residual"]
+    naming.set_swept_keys(["-m", "residual=standard,block", "seeds.on_demand=true"])
+    assert naming.run_id("data.batch_size=4,residual=block,seed=3") == "residual=block,seed=3,data.batch_size=4"
