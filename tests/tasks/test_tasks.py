@@ -130,7 +130,8 @@ def test_a_tiny_sweep_with_a_task_prints_a_verdict_per_strategy_and_task_metric(
     verdicts = [line for line in result.stdout.splitlines() if line.startswith("verdict:")]
     task = [line for line in verdicts if "attnres_pointer/acc" in line]
     assert len(task) == 1 and task[0].startswith("verdict: block vs standard: "), verdicts
-    assert "(paired t, 2 seeds; higher is better)" in task[0], task[0]
+    assert "(paired t, 2 seeds; higher is better; margin 0.0100 = 1 point)" in task[0], task[0]
+    assert "not resolved: 2 seeds barely estimate the spread" in task[0], task[0]  # two pairs name no winner
     assert any("val/accuracy" in line for line in verdicts)
     header = next(line for line in result.stdout.splitlines() if line.startswith("job"))
     assert "attnres_pointer/acc" in header
