@@ -59,6 +59,10 @@ def _same(a: Any, b: Any) -> bool:
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
     if numbers:
         return float(a) == float(b)  # 1e-3 written as 0.001, 2 as 2.0
+    if isinstance(a, str) and isinstance(b, str):  # a class that moved (config/moved.py) is the same class
+        from attnres.config.moved import MOVED
+
+        return MOVED.get(a, a) == MOVED.get(b, b)
     return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
