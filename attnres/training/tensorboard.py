@@ -95,7 +95,7 @@ class StepAxis(pl.Callback):
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            pl_module.log("step", float(trainer.global_step), on_step=False, on_epoch=True)
+            pl_module.log("step", float(trainer.global_step), on_step=False, on_epoch=True, sync_dist=True)
 
 
 class TensorBoardLogger(LightningTensorBoardLogger):
