@@ -69,6 +69,16 @@ CLI = [sys.executable, "-m", "attnres"]
 NOT_INHERITED = ("HYDRA_FULL_ERROR", "TRITON_INTERPRET", "SLEEPER_HOLD")
 
 
+def load_experiment(name: str):
+    """experiments/<name>.py as a module (the folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a run: this one's (the slot folder and data cache tests/conftest.py set
     included), one thread (2 shared cores), and `env` on top."""

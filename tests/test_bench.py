@@ -3,7 +3,6 @@ smoke test, so that a GPU session does not find the script broken. No timing is 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,20 +11,12 @@ import torch
 from torch import nn
 
 from attnres.functional import resolve_kernel
-from tests.helpers import REPO
-
-
-def _script(name: str):
-    """experiments/<name>.py as a module (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_experiment
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _script("bench_residuals")
+    return load_experiment("bench_residuals")
 
 
 TINY = "--n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --batch 2 --vocab 64 --num-blocks 2 --steps 2 --warmup 1"
@@ -83,7 +74,7 @@ def test_saved_bytes_count_each_storage_once_and_leave_out_parameters(bench):
 def test_runner_ratio_is_the_median_of_each_rounds_own_ratio():
     """experiments/bench_runner.py: a machine that slows down between rounds moves both runs of
     a round; the ratio pairs them (the ratio of the medians would mix rounds)."""
-    runner = _script("bench_runner")
+    runner = load_experiment("bench_runner")
     tps = {"standard": [100.0, 200.0, 150.0], "block": [90.0, 170.0, 140.0]}
     out = runner.summarise({n: [{"tokens_per_sec": v} for v in vs] for n, vs in tps.items()})
     assert out["median_tokens_per_sec"] == {"standard": 150.0, "block": 140.0}
@@ -120,7 +111,7 @@ def test_runner_stopped_mid_run_says_so_in_one_line_and_leaves_no_run_folder(
     import subprocess
     import tempfile
 
-    runner = _script("bench_runner")
+    runner = load_experiment("bench_runner")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     calls = []
 
@@ -181,7 +172,7 @@ def test_decode_bench_writes_every_route_and_ratio(tmp_path, capsys):
     generate() and the interleaved steps, each strategy's per-token and prefill times and their
     paired ratios to standard's (no timing asserted)."""
     pytest.importorskip("transformers")
-    decode = _script("bench_decode")
+    decode = load_experiment("bench_decode")
     out = tmp_path / "decode.json"
     decode.main(["--shapes", "tiny", "--rounds", "2", "--hf", "--device", "cpu", "--json", str(out)])
     results = json.loads(out.read_text())
@@ -200,6 +191,6 @@ def test_decode_bench_writes_every_route_and_ratio(tmp_path, capsys):
 
 
 def test_decode_ratios_pair_each_round():
-    decode = _script("bench_decode")
+    decode = load_experiment("bench_decode")
     assert decode.paired([1.0, 2.2, 3.3], [1.0, 2.0, 3.0])[0] == pytest.approx(1.1)
     assert decode.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]

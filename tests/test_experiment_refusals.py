@@ -3,28 +3,19 @@ it, exit status 2, before any model is built (experiments/bench_decode.py, coord
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.helpers import REPO
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_experiment
 
 
 @pytest.fixture(scope="module")
 def decode():
-    return _script("bench_decode")
+    return load_experiment("bench_decode")
 
 
 @pytest.fixture(scope="module")
 def coord():
-    return _script("coord_check")
+    return load_experiment("coord_check")
 
 
 @pytest.mark.parametrize(("args", "said"), [
