@@ -4,7 +4,6 @@ its coordinate check is flat where the standard parametrization's grows."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from functools import partial
 
@@ -16,16 +15,9 @@ from attnres.residual import BlockAttentionResidual, FullAttentionResidual, Hype
 from attnres.residual.denseformer import DenseFormerResidual
 from attnres.residual.mhc import ManifoldHyperConnectionResidual
 from attnres.training.lit import parameter_groups
-from tests.helpers import REPO, TINY, one_line_error, run_cli
+from tests.helpers import TINY, load_experiment, one_line_error, run_cli
 
 BLOCK2 = partial(BlockAttentionResidual, num_blocks=2)
-
-
-def _load_coord_check():
-    spec = importlib.util.spec_from_file_location("coord_check", REPO / "experiments" / "coord_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _train_three_steps(residual, **kwargs) -> tuple[float, float, list[float], list]:
@@ -215,7 +207,7 @@ def test_the_runner_refuses_a_mistyped_parametrization_in_one_line(tmp_path):
 
 
 def test_coordinate_check_is_flat_under_mup_and_grows_under_standard_across_width():
-    cc = _load_coord_check()
+    cc = load_experiment("coord_check")
     results = cc.run("width", [128, 256, 512], 2, ["standard", "block"], ["standard", "mup"], steps=3, lr=1e-2,
                      progress=lambda line: None)
     for strategy in ("standard", "block"):
@@ -228,7 +220,7 @@ def test_coordinate_check_is_flat_under_mup_and_grows_under_standard_across_widt
 
 
 def test_coordinate_check_across_depth_keeps_the_stream_bounded_under_mup():
-    cc = _load_coord_check()
+    cc = load_experiment("coord_check")
     results = cc.run("depth", [2, 4, 8], 32, ["standard", "block"], ["standard", "mup"], steps=3, lr=1e-2,
                      progress=lambda line: None)
     for strategy in ("standard", "block"):
