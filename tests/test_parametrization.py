@@ -206,6 +206,7 @@ def test_the_runner_refuses_a_mistyped_parametrization_in_one_line(tmp_path):
     assert expected in one_line_error(result)
 
 
+@pytest.mark.slow
 def test_coordinate_check_is_flat_under_mup_and_grows_under_standard_across_width():
     cc = load_experiment("coord_check")
     results = cc.run("width", [128, 256, 512], 2, ["standard", "block"], ["standard", "mup"], steps=3, lr=1e-2,

@@ -272,6 +272,7 @@ def test_report_only_from_one_parts_runs_splices_that_part_and_keeps_the_rest(tm
     assert {p: p.read_bytes() for p in kept} == {p: before[p] for p in kept}  # every other part's figure stays
 
 
+@pytest.mark.slow
 def test_run_py_stops_after_a_sigterm_before_its_next_sweep_whatever_the_sweep_exits_with(tmp_path):
     """The sweep a `kill` reaches may exit 1 (its jobs stopped): run.py stops all the same."""
     child = ("import signal, sys, time\nfrom pathlib import Path\nPath(sys.argv[1]).touch()\n"

@@ -171,6 +171,7 @@ def _die(task):
     os._exit(9)  # as the OOM killer would end a worker
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_dying_worker_stops_the_run_with_an_error(tmp_path):
     src = corpus(tmp_path / "src")

@@ -20,7 +20,7 @@ HAS_TRITON = triton_available()
 @pytest.mark.parametrize(
     "shape",
     [
-        pytest.param("--d 768 --sublayers 24 --num-blocks 8", id="gpt-small-D768-L24-N8"),
+        pytest.param("--d 768 --sublayers 24 --num-blocks 8", id="gpt-small-D768-L24-N8", marks=pytest.mark.slow),
         pytest.param("--d 1000 --sublayers 6 --num-blocks 3 --dtype float16", id="D1000-L6-N3-f16"),
     ],
 )

@@ -79,6 +79,7 @@ def test_the_runs_own_margin_and_the_flag_decide_and_a_bad_flag_writes_nothing(t
     assert {p: p.stat().st_mtime_ns for p in folder.glob("summary.*")} == before
 
 
+@pytest.mark.slow
 def test_a_tuned_sweep_shows_the_shared_lr_verdict_in_its_table_and_figure(tmp_path, monkeypatch):
     from attnres.results import summary_figure
     from attnres.results.tuned_summary import write_tuned_summary

@@ -89,6 +89,7 @@ def small(scale):
     return lambda seed: scale * math.sin(1.7 * seed + 0.3)
 
 
+@pytest.mark.slow
 def test_a_clear_effect_adds_a_batch_then_stops_resolved(tmp_path):
     """Block 0.1 bpb better (5%, ten times the 0.5% margin) with a 0.002 spread: 3 seeds at look 1 are
     not enough under the design (df 2, early alpha almost unspent); 5 at look 2 resolve it."""
@@ -110,6 +111,7 @@ def test_no_difference_resolves_as_equivalent(tmp_path):
     assert "repeated 95% interval of the sequential design at look 2" in found[0].sentence()
 
 
+@pytest.mark.slow
 def test_a_noisy_comparison_stops_at_the_maximum_and_says_which_is_open(tmp_path):
     launcher, record = sweep(tmp_path, {"standard": 0.0, "block": 0.0},
                              {"standard": small(0.0), "block": small(0.05)}, "seeds.max=7")
@@ -118,6 +120,7 @@ def test_a_noisy_comparison_stops_at_the_maximum_and_says_which_is_open(tmp_path
         "reached the maximum of 7 seeds (look 3): block vs standard still not resolved"
 
 
+@pytest.mark.slow
 def test_a_stopped_sweep_resumes_with_the_recorded_seeds_then_adds_looks(tmp_path):
     noise = {"standard": small(0.0), "block": small(0.05)}
     launcher, record = sweep(tmp_path, {"standard": 0.0, "block": 0.0}, noise, "seeds.max=7",
@@ -163,6 +166,7 @@ def test_bad_settings_are_one_line(override, message):
 
 
 # -- tuned sweeps: the looks are the tuned sweeper's verdict stages ------------------------------------------
+@pytest.mark.slow
 def test_a_tuned_sweep_runs_its_looks_after_the_search(tmp_path):
     """Both arms' best lr is the configured one and the surface's seed noise is the same for both arms:
     every paired difference is 0, equivalent within the margin at the first look."""

@@ -381,6 +381,7 @@ def test_a_sweep_survives_cancel_requeue_and_time_limit(cluster, tmp_path):
     assert (limited_run / "metrics.json").read_bytes() == before
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_a_request_the_partition_cannot_meet_is_refused_before_submitting(cluster, tmp_path):
     sinfo = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True)

@@ -147,6 +147,7 @@ def run_sweeper(tmp_path: Path, best: dict[str, float], *extra: str, stop_after:
 GRID = {"points": 3, "factor": 2.0, "max_extend": 2, "keys": ["optim.optimizer.lr"]}
 
 
+@pytest.mark.slow
 def test_the_grid_grows_at_an_edge_until_the_best_is_inside(tmp_path):
     # block's best is 2 factors above the configured lr: the 3-point grid (-1..1) grows up twice, to 3
     sweeper, launcher = run_sweeper(tmp_path, {"standard": 0.0, "block": 2.0}, "residual=standard,block",
@@ -165,6 +166,7 @@ def test_the_grid_grows_at_an_edge_until_the_best_is_inside(tmp_path):
     assert lrs == {"residual=standard": "optim.optimizer.lr=0.003", "residual=block": "optim.optimizer.lr=0.012"}
 
 
+@pytest.mark.slow
 def test_an_arm_still_best_at_the_edge_is_reported_never_silently_taken(tmp_path):
     run_sweeper(tmp_path, {"standard": 0.0, "block": 6.0}, "residual=standard,block", "seed=0,1", grid=GRID)
     state = tuning.read_state(tmp_path / "sweep")
@@ -178,6 +180,7 @@ def test_an_arm_still_best_at_the_edge_is_reported_never_silently_taken(tmp_path
         assert (tmp_path / "sweep" / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_the_search_never_runs_a_verdict_seed_and_the_verdict_reads_the_tuned_runs(tmp_path):
     sweeper, launcher = run_sweeper(tmp_path, {"standard": 0.0, "block": 1.0}, "residual=standard,block",
                                     "seed=0,1,2", grid=GRID, tuning_seeds=[7, 8])
@@ -213,6 +216,7 @@ def test_a_diverged_trial_is_the_worst_point_and_no_failure_of_the_sweep(tmp_pat
     plan.diverged.clear()
 
 
+@pytest.mark.slow
 def test_identical_arms_run_their_trials_once(tmp_path):
     # residual=standard ignores num_blocks: the two arms are one run each, deduplicated by the launcher
     sweeper, launcher = run_sweeper(tmp_path, {"standard": 1.0}, "residual=standard", "num_blocks=2,4", "seed=0",
@@ -227,6 +231,7 @@ def test_identical_arms_run_their_trials_once(tmp_path):
     assert len(made) == len(first["trials"])
 
 
+@pytest.mark.slow
 def test_a_paper_sweep_searches_at_its_proxy_and_prices_the_trials_apart(tmp_path, capsys):
     sweeper = make_sweeper(tmp_path, "experiment=paper_scaling", "+hydra.sweeper.proxy.size=194m", "data=tokens",
                            "data.path=data", "trainer.accelerator=gpu", proxy={"size": "194m"},
@@ -244,6 +249,7 @@ def test_a_paper_sweep_searches_at_its_proxy_and_prices_the_trials_apart(tmp_pat
     assert 3000 < verdict < 3300 and 0 < trials < verdict  # the paper's 3,166 GPU-hours; 30 runs at 194m
 
 
+@pytest.mark.slow
 def test_a_paper_sweep_searches_a_narrow_proxy_and_prices_it_against_a_full_size_search(tmp_path, capsys):
     settings = {"size": "194m", "width": "0.25"}
     sweeper = make_sweeper(tmp_path, "experiment=paper_scaling", "+hydra.sweeper.proxy.size=194m",
@@ -266,6 +272,7 @@ def test_a_paper_sweep_searches_a_narrow_proxy_and_prices_it_against_a_full_size
     assert 0 < trials < full / 10  # 20 narrow trials against 100 trials at the five sizes
 
 
+@pytest.mark.slow
 def test_a_narrow_proxy_runs_the_verdict_under_mup_with_the_proxy_as_its_base(tmp_path):
     sweeper, launcher = run_sweeper(tmp_path, {"standard": 1.0, "block": 1.0}, "residual=standard,block",
                                     "num_blocks=2", "model.n_embd=64", "model.n_head=4", "seed=0", grid=GRID,
@@ -324,6 +331,7 @@ def test_a_searched_key_also_set_on_the_command_line_is_refused(tmp_path, capsys
     assert "optim.optimizer.lr is both searched" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_resumed_search_replays_it_and_a_changed_one_is_refused(tmp_path, capsys):
     best = {"standard": 0.0, "block": 2.0}
     first, launcher = run_sweeper(tmp_path, best, "residual=standard,block", "seed=0,1", stop_after=1, grid=GRID)
@@ -344,6 +352,7 @@ def test_a_resumed_search_replays_it_and_a_changed_one_is_refused(tmp_path, caps
     assert "grid.points (3 -> 5)" in err and "tuning_seeds ([1000,1001] -> [1000])" in err
 
 
+@pytest.mark.slow
 def test_an_optuna_study_resumes_from_its_sqlite_file(tmp_path):
     optuna = pytest.importorskip("optuna")
     settings = {"method": "optuna", "optuna": {"trials": 4, "batch": 2, "seed": 3, "sampler": "tpe", "space": {

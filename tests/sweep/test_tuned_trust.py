@@ -67,6 +67,7 @@ def crashing_sweep(tmp_path, crashes, best):
 
 
 # -- 1. a crashed trial ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_killed_trial_runs_again_and_the_choice_rests_on_every_point(tmp_path, capsys):
     # standard's best lies one factor below the configured lr: exactly the point whose trial is killed
     sweeper, launcher = crashing_sweep(tmp_path, crashes=1, best={"standard": -1.0, "block": 0.0})
@@ -80,6 +81,7 @@ def test_a_killed_trial_runs_again_and_the_choice_rests_on_every_point(tmp_path,
     assert state["stage"] == "done" and plan.exit_status() == 0
 
 
+@pytest.mark.slow
 def test_a_trial_killed_twice_stops_the_search_before_choosing(tmp_path, capsys):
     sweeper, launcher = crashing_sweep(tmp_path, crashes=2, best={"standard": -1.0, "block": 0.0})
     err = capsys.readouterr().err.strip().splitlines()
@@ -106,6 +108,7 @@ def test_a_search_that_could_give_no_verdict_is_refused_before_it_runs(tmp_path,
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.slow
 def test_an_arm_whose_every_trial_diverged_fails_the_sweep(tmp_path, capsys):
     sweeper = make_sweeper(tmp_path, grid={**GRID, "max_extend": 0})
     sweeper.launcher = SurfaceLauncher(sweeper, {"standard": 0.0})
@@ -116,6 +119,7 @@ def test_an_arm_whose_every_trial_diverged_fails_the_sweep(tmp_path, capsys):
     assert plan.exit_status() == 1
 
 
+@pytest.mark.slow
 def test_a_full_disk_mid_search_is_one_line_and_resumable(tmp_path, capsys, monkeypatch):
     real, calls = tuning.write_state, []
 
@@ -151,6 +155,7 @@ class DiesAfter(SurfaceLauncher):
         raise SystemError("SIGKILL")
 
 
+@pytest.mark.slow
 def test_summarize_counts_the_trials_that_finished_before_the_sweep_died(tmp_path, capsys):
     sweeper = make_sweeper(tmp_path, grid=GRID)
     sweeper.launcher = DiesAfter(sweeper, {"standard": 0.0, "block": 0.0})
