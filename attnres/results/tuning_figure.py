@@ -17,7 +17,6 @@ import numpy as np
 
 from attnres.results import tuning
 from attnres.results.figures import new_figure, strategy_colours
-from attnres.results.summary_figure import _differences
 
 
 def search_keys(state: Mapping[str, Any]) -> list[str]:
@@ -118,16 +117,3 @@ def search_figure(state: Mapping[str, Any], title: str):
     fig.subplots_adjust(left=0.1, right=0.98, top=0.86, bottom=0.16)
     return fig
 
-
-def tuned_figure(comparisons: Sequence[Any], state: Mapping[str, Any], metric: str, title: str):
-    """summary.png of a tuned sweep: the tuned verdict (each arm at its best) beside the search."""
-    keys = search_keys(state) or ["(no trials)"]
-    shown = [c for c in comparisons if c.mean is not None]
-    fig = new_figure(6.0 + 5.0 * len(keys), max(4.0, 0.45 * len(shown) + 2.2))
-    axes = fig.add_gridspec(1, 1 + len(keys), width_ratios=[1.1] + [1.0] * len(keys), wspace=0.45).subplots()
-    _differences(axes[0], shown, metric)
-    axes[0].set_title("each arm at its own best: mean, 95% t interval, o: each seed", fontsize=9)
-    draw_search(list(axes[1:]), state)
-    fig.suptitle(f"{title}: tuned verdict ({metric}, verdict seeds) and the search", fontsize=10)
-    fig.subplots_adjust(left=0.14, right=0.98, top=0.86, bottom=0.16)
-    return fig
