@@ -202,6 +202,10 @@ def check_trainer(cfg: DictConfig) -> None:
     if max_steps == -1 and value_at(cfg, "optim.total_steps") in (None, ABSENT):
         raise ConfigError("trainer.max_steps=-1 (no limit) leaves the learning-rate schedule without a length; "
                           "set trainer.max_steps to a number of steps, or optim.total_steps=<steps>")
+    stop = value_at(cfg, "stop_at_step")
+    if isinstance(stop, int) and isinstance(max_steps, int) and 0 < max_steps <= stop:
+        raise ConfigError(f"stop_at_step={stop} is not below trainer.max_steps={max_steps}; pause earlier, e.g. "
+                          f"stop_at_step={max(1, max_steps // 2)}, or leave it out (null) to train to the end")
     precision = value_at(cfg, "trainer.precision")
     allowed = _precisions()
     if precision is not ABSENT and allowed and str(precision) not in allowed:

@@ -103,6 +103,7 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
     ("", ()): {
         "seed": Rule("int", 0, 2**32 - 1, example=0), "num_blocks": Rule("int", 1, example=4),
         "threads": Rule("int", 1, nullable=True, example=1),
+        "stop_at_step": Rule("int", 1, nullable=True, example=100),  # below trainer.max_steps: rules.check_trainer
         "compile": BOOL, "resume": BOOL, "overwrite": BOOL, "keep_freed_memory": BOOL,
         "mode": Rule("choice", choices=("train", "eval", "sample")),
         "budget": Rule("number", 0, open_low=True, example=0.1),  # experiment=paper_*'s keys, absent elsewhere

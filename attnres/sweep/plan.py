@@ -87,6 +87,16 @@ def read_status(run_dir: Path) -> str | None:
     return read_json(run_dir / "metrics.json").get("status")
 
 
+def nothing_to_train(run_dir: Path, config: DictConfig) -> bool:
+    """A resumed job whose run finished, unless it was paused (`stop_at_step`) before the step this
+    job trains to: a tuned search's rung continues the same folder (attnres.sweep.tuned_halving)."""
+    found = read_json(run_dir / "metrics.json")
+    if found.get("status") != "finished":
+        return False
+    stop = config.get("stop_at_step")
+    return found.get("stopped_by") != "stop_at_step" or stop is not None and int(found.get("steps") or 0) >= stop
+
+
 def holds_run(run_dir: Path) -> bool:
     """Whether a job folder holds a run (its metrics or a checkpoint) that running it would replace."""
     return (run_dir / "metrics.json").is_file() or (run_dir / "checkpoints" / "last.ckpt").is_file()
@@ -120,7 +130,7 @@ def plan_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], sweep_dir: 
             jobs[name] = first_by_key[key]
             continue
         first_by_key[key], jobs[name] = name, None
-        if config.get("resume") and read_status(run_dir) == "finished":
+        if config.get("resume") and nothing_to_train(run_dir, config):
             notes[name] = {"status": "finished", "skipped": True}
             continue
         if holds_run(run_dir) and not (config.get("resume") or config.get("overwrite") or config.get("ckpt_path")):

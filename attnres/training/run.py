@@ -84,15 +84,22 @@ _QUIET = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.f
 logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(lambda r: not str(r.msg).startswith(_QUIET))
 
 
-def finished_already(run_dir: Path, ckpt: str, max_steps: Any, max_time: Any = None) -> dict | None:
-    """`resume=true` on a run that finished at its `max_steps`, or at a `max_time` no larger than the
-    one it is given now: nothing to train, and its checkpoint and metrics.json stay as they are (a
+def finished_already(run_dir: Path, ckpt: str, max_steps: Any, max_time: Any = None,
+                     stop_at_step: Any = None) -> dict | None:
+    """`resume=true` on a run that finished at its `max_steps`, at a `max_time` no larger than the
+    one it is given now, or paused at a `stop_at_step` no earlier than the one it is given now: nothing
+    to train, and its checkpoint and metrics.json stay as they are (a
     resume would rewrite them without the training figures). Returns its metrics after saying so;
     None when there is more to train."""
     summary = read_json(run_dir / "metrics.json")
     step = checkpoint_step(ckpt)
     if summary.get("status") != "finished" or not isinstance(max_steps, int) or max_steps < 1 or step is None:
         return None
+    if step < max_steps and isinstance(stop_at_step, int) and step >= stop_at_step:
+        report(f"{run_dir} holds a run paused at step {step} of {max_steps}: nothing to do for stop_at_step="
+               f"{stop_at_step}; its metrics are in {run_dir / 'metrics.json'} (a larger stop_at_step, or none, "
+               "continues it)")
+        return summary
     if step < max_steps:
         limit, before = time_limit_s(max_time), time_limit_s(summary.get("max_time"))
         if summary.get("stopped_by") != "trainer.max_time" or limit is None or before is None or limit > before:
@@ -124,10 +131,32 @@ def time_limit_s(max_time: Any) -> float | None:
     return float(days * 86400 + hours * 3600 + minutes * 60 + seconds)
 
 
+class StopAtStep(pl.Callback):
+    """`stop_at_step`: training pauses at that step; the schedule, which reads `trainer.max_steps`,
+    goes on spanning the whole run, so a resume with a later stop continues the same run exactly."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def _check(self, trainer: pl.Trainer) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check(trainer)  # resumed at or past it: not one step more
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._check(trainer)
+
+
 def stopped_by(trainer: pl.Trainer) -> str | None:
-    """Which limit ended training: `trainer.max_steps`, `trainer.max_time`, or None (e.g. fast_dev_run)."""
+    """Which limit ended training: `trainer.max_steps`, `stop_at_step`, `trainer.max_time`, or None
+    (e.g. fast_dev_run)."""
     if trainer.max_steps and 0 < trainer.max_steps <= trainer.global_step:
         return "trainer.max_steps"
+    pause = next((c for c in trainer.callbacks if isinstance(c, StopAtStep)), None)
+    if pause is not None and trainer.global_step >= pause.step:
+        return "stop_at_step"
     timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
     if timer is not None and timer.time_remaining("train") is not None and timer.time_remaining("train") <= 0:
         return "trainer.max_time"
@@ -176,7 +205,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = Non
         clean_stale_tmp(run_dir)
         ckpt = resume_checkpoint(run_dir, cfg.resume, cfg.ckpt_path, cfg.overwrite)
         if ckpt and cfg.resume and not cfg.ckpt_path:
-            done = finished_already(run_dir, ckpt, cfg.trainer.get("max_steps"), cfg.trainer.get("max_time"))
+            done = finished_already(run_dir, ckpt, cfg.trainer.get("max_steps"), cfg.trainer.get("max_time"),
+                                    cfg.get("stop_at_step"))
             if done is not None:
                 return done
         log.info(f"run folder: {run_dir}" + (f" (resuming from {ckpt})" if ckpt else ""))
@@ -213,6 +243,8 @@ def train(cfg: DictConfig, run_dir: Path, info: dict[str, Any], tasks: Any = Non
             callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
         load = MachineLoad()  # the machine's load while it trains: metrics.json (results/cost.py reads it)
         callbacks.append(load)
+        if cfg.get("stop_at_step") is not None:
+            callbacks.append(StopAtStep(int(cfg.stop_at_step)))
         trainer = instantiate(
             cfg.trainer,
             precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
