@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from study import Effect, Run, job_counts, relative_gap, save
-from verdicts import claim, verdict
+from verdicts import MARGIN_COLUMN, MarginVerdict, claim, margin_note, verdict
 
 from attnres.results import figures
 
@@ -38,11 +38,12 @@ def part_blocksize(runs: Sequence[Run], figs: Path) -> tuple[list[str], list[str
             "S counts sublayers per block, as the paper does (deep shape: L = 16 sublayers, so S = 16 / N). "
             "The paper's points are Figure 6's, at its 436M model against its baseline of 1.766.", "",
             "| S | ours | paper, Figure 6 (% of baseline loss) | ours (% of baseline val/loss, mean [95% CI]) | "
-            "verdict (below the baseline) |", "|---|---|---|---|---|"]
+            f"verdict (below the baseline) | {MARGIN_COLUMN} |", "|---|---|---|---|---|---|"]
     claims = []
     for s, name in BLOCK_OF_S.items():
         word = verdict(gaps[s], [paper[s]])
-        text.append(f"| {s} | {name} | {paper[s]:+.2f} ({FIGURE6[s]:.3f}) | {gaps[s].text()} | {word} |")
+        text.append(f"| {s} | {name} | {paper[s]:+.2f} ({FIGURE6[s]:.3f}) | {gaps[s].text()} | {word} | "
+                    f"{MarginVerdict.from_effect(gaps[s]).text()} |")
     # the trend: per seed, the slope of the gap over log2 S (percent per doubling of S)
     seeds = sorted(set.intersection(*(set(g.per_seed) for g in gaps.values())))
     xs = [math.log2(s) for s in BLOCK_OF_S]
@@ -58,7 +59,8 @@ def part_blocksize(runs: Sequence[Run], figs: Path) -> tuple[list[str], list[str
     worst = max(BLOCK_OF_S, key=lambda s: gaps[s].mean)
     claims.append(claim(verdict(gaps[worst], [paper[worst]]),
                         f"every block size S = 1 to 8 beats the baseline (paper, Figure 6: all of them; ours, "
-                        f"the weakest, S = {worst}: {gaps[worst].text()})"))
+                        f"the weakest, S = {worst}: {gaps[worst].text()})")
+                  + margin_note(("loss", MarginVerdict.from_effect(gaps[worst]))))
     fig = figures.new_figure(5.6, 3.6)
     ax = fig.subplots()
     for seed in seeds:

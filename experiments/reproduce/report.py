@@ -13,6 +13,9 @@ of the parts it reuses), with the verdict rule and words of verdicts.py:
 
 This module puts them in order under the verdicts and the wall times, writes REPORT.md whole, and
 splices one part's section into a REPORT.md kept as written where the other parts' runs are absent.
+Whenever it holds a part's runs it also writes that part's per-seed record, results/<part>.json
+(records.py), which outlives the runs. `--margins-from-printed` adds the margin verdicts to a
+REPORT.md whose runs are elsewhere, from its printed intervals (verdicts.margins_from_printed).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import blocksize_part  # noqa: E402
 import depth_part  # noqa: E402
 import ladder_part  # noqa: E402
 import ordering_part  # noqa: E402
+import records  # noqa: E402
 import shapes_part  # noqa: E402
 import tasks_part  # noqa: E402
 import training_length  # noqa: E402
@@ -48,8 +52,8 @@ from study import (  # noqa: E402
     save,
 )
 from tasks_part import part_tasks  # noqa: E402
-from tuned_part import part_tuned  # noqa: E402
-from verdicts import DEFINITIONS, claim, count_words, verdict  # noqa: E402
+from tuned_part import part_tuned, verdict_runs  # noqa: E402
+from verdicts import DEFINITIONS, MARGIN_DEFINITION, claim, count_words, margins_from_printed, verdict  # noqa: E402
 
 from attnres.atomic import read_json  # noqa: E402
 from attnres.results.summary import find_job_dirs  # noqa: E402
@@ -144,6 +148,7 @@ def update_report(out: Path, ran: Sequence[str]) -> tuple[Path, str]:
     (a machine that holds some parts' runs) the report is never rebuilt without the others'
     sections: the sections of the parts that ran and can be updated alone are spliced in, and the
     second value says what was kept."""
+    save_records(out)
     absent = [name for name in FOLDERS if not has_runs(out / name)]
     if not absent:
         return write_report(out), ""
@@ -154,6 +159,39 @@ def update_report(out: Path, ran: Sequence[str]) -> tuple[Path, str]:
     what = f"section(s) of part(s) {', '.join(done)} updated" if done else "nothing in it updated"
     return report, (f"REPORT.md kept as written: part(s) {', '.join(absent)} have no runs in {out}; {what}. "
                     "It is rebuilt whole only from a folder that holds every part's runs")
+
+
+def save_records(out: Path) -> list[Path]:
+    """results/<part>.json of each part whose runs are in `out` (depth_tuned writes its own)."""
+    by_part: dict[str, list[dict]] = {}
+    for run in load_runs(out):
+        by_part.setdefault(run.part, []).append({
+            "shape": run.shape, "strategy": run.strategy, "seed": run.seed, "status": run.status,
+            "val/loss": run.loss, "val/bpb": run.bpb, "tokens_per_sec_after_warmup": run.tokens_per_sec,
+            "tokens_seen": run.tokens, "parameters": run.parameters, "non_embedding_parameters": run.non_embedding,
+            "job": run.path.name})
+    if has_runs(out / "tuned"):
+        by_part["tuned"] = verdict_runs(out)
+    if has_runs(out / "tasks"):
+        by_part["tasks"] = tasks_part.record_runs(out)
+    return [records.write_record(HERE / records.FOLDER, part, runs, f"runs/{part}")
+            for part, runs in by_part.items() if runs]
+
+
+#: the seeds behind every printed comparison of sections 1 to 3, 7 and 8 (seeds 0 to 4)
+PRINTED_SEEDS = 5
+
+
+def add_margins_from_printed() -> tuple[Path, int]:
+    """REPORT.md with the margin verdicts beside its printed comparisons (verdicts.margins_from_printed),
+    for a machine without the runs; returns it and the number of verdicts added."""
+    report = HERE / "REPORT.md"
+    text, found = margins_from_printed(report.read_text(), PRINTED_SEEDS)
+    if found:
+        tmp = report.with_suffix(".md.tmp")
+        tmp.write_text(text)
+        tmp.replace(report)
+    return report, len(found)
 
 
 class NoRunsError(Exception):
@@ -222,7 +260,7 @@ def write_report(out: Path) -> Path:
         "2,400 steps (4.9M tokens: 25 and 21 tokens per parameter, embedding included); a ladder of widths "
         "16 to 40 at 8 layers. The paper: Mixture-of-Experts models of 194M to 528M activated parameters, "
         "38.7B to 119B tokens, 8,192-token context. What holds here may not hold there, and the reverse.", "",
-        DEFINITIONS,
+        DEFINITIONS, "", MARGIN_DEFINITION,
         "",
         f"## Verdicts ({count_words(claims)})", "", *claims, "",
         "## Wall time (2 jobs at a time on the 2 cores, one thread each)", "",
@@ -260,9 +298,15 @@ if __name__ == "__main__":
                         help="update only the tuned section (the other parts' runs need not be here)")
     parser.add_argument("--only-tasks", action="store_true",
                         help="update only the downstream-task section (the other parts' runs need not be here)")
+    parser.add_argument("--margins-from-printed", action="store_true",
+                        help="add the margin verdicts to REPORT.md from its printed intervals (no runs needed)")
     args = parser.parse_args()
     out = args.out.resolve()
-    if args.only_tuned or args.only_tasks:
+    if args.margins_from_printed:
+        written, added = add_margins_from_printed()
+        print(f"{written} ({added} margin verdicts added)")
+    elif args.only_tuned or args.only_tasks:
+        save_records(out)
         for splice_part in [splice_tuned] * args.only_tuned + [splice_tasks] * args.only_tasks:
             print(splice_part(out))
     else:

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 
 from study import Effect, Run, finished, job_counts, means_table, paper_range, relative_gap
-from verdicts import CONTRADICTED, claim, verdict
+from verdicts import CONTRADICTED, MARGIN_COLUMN, MarginVerdict, claim, margin_note, verdict
 
 FIGURE7 = (0.019, 0.063)  # nats: AttnRes below the baseline in each of 25 shapes (baseline best at about 1.847)
 FIGURE7_BASELINE = 1.847
@@ -28,13 +28,14 @@ def part_depth(runs: Sequence[Run]) -> tuple[list[str], list[str]]:
             "as we read the figure's axis) and finds AttnRes below the baseline in every one, by 0.019 to 0.063 "
             "nats, with its best shape deeper than the baseline's.", "",
             "| shape | paper (% of baseline loss, every shape) | Block S=2 vs standard (%, mean [95% CI]) | "
-            "verdict |", "|---|---|---|---|"]
+            f"verdict | {MARGIN_COLUMN} |", "|---|---|---|---|---|"]
     claims = []
     for name, effect in (("deep 8 x 40", deep), ("shallow 2 x 80", shallow)):
         word = verdict(effect, paper)
-        text.append(f"| {name} | {paper_range(paper)} | {effect.text()} | {word} |")
+        margin = MarginVerdict.from_effect(effect)
+        text.append(f"| {name} | {paper_range(paper)} | {effect.text()} | {word} | {margin.text()} |")
         claims.append(claim(word, f"AttnRes beats the baseline at the {name.split()[0]} shape (paper, Figure 7: "
-                                  f"at every shape; ours: {effect.text()})"))
+                                  f"at every shape; ours: {effect.text()})") + margin_note(("loss", margin)))
     seeds = sorted(set(deep.per_seed) & set(shallow.per_seed))
     growth = Effect({s: deep.per_seed[s] - shallow.per_seed[s] for s in seeds})
     word = verdict(growth, [-1e-9])  # the paper gives the direction only: contradicted needs the other side of zero

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from verdicts import CONTRADICTED
+from verdicts import ACCURACY, CONTRADICTED, MarginVerdict, margin_note
 
 from attnres.atomic import read_json
 from attnres.results.summary import find_job_dirs
@@ -53,6 +53,14 @@ def load(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
                                      "metrics": metrics.get("metrics", {}), "tasks": metrics.get("tasks") or {},
                                      "wall_s": metrics.get("wall_time_s")}
     return found
+
+
+def record_runs(out: Path) -> list[dict[str, Any]]:
+    """Each run of the part (records.py): arm, seed, status, its metrics (the task's included), the
+    evaluation's seconds and the run's wall time."""
+    return [{"arm": arm, "seed": seed, "status": run["status"], **run["metrics"],
+             "task_seconds": run["tasks"].get("seconds"), "wall_time_s": run["wall_s"]}
+            for arm, by_seed in load(out).items() for seed, run in by_seed.items()]
 
 
 def _usable(run: dict[str, Any], key: str) -> bool:
@@ -109,6 +117,8 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
                       for s in seeds})
     loss = effect_cls({s: 100 * (runs["block"][s]["metrics"]["val/loss"] - runs["standard"][s]["metrics"]["val/loss"])
                        / runs["standard"][s]["metrics"]["val/loss"] for s in seeds})
+    margins = margin_note(("accuracy", MarginVerdict.from_effect(acc, ACCURACY)),
+                          ("loss", MarginVerdict.from_effect(loss))) if seeds else ""
     any_tasks = next((r["tasks"] for arm in ARMS for r in runs[arm].values() if r["tasks"]), {})
     seconds = [r["tasks"].get("seconds") for arm in ARMS for r in runs[arm].values()
                if isinstance(r["tasks"].get("seconds"), (int, float))]
@@ -139,7 +149,7 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
                   "not set before the runs), not part of the verdict below."]
         lines += ["", f"Block N=4 minus standard, paired by seed: **{acc.text(' pt')}** of `{ACC}` "
                   f"({len(seeds)} seeds, 95% Student t); beside it the loss, {loss.text()} of the standard's "
-                  "val/loss.", ""]
+                  f"val/loss.{margins}", ""]
     else:
         lines += ["", "No seed has finished in both arms yet: no difference, and no claim line.", ""]
     if seeds:
@@ -159,4 +169,4 @@ def part_tasks(out: Path, figs: Path, effect_cls: Any, verdict: Callable[..., st
             f"Table 3, the 48B run, baseline to AttnRes: {TABLE3}; ours, two-hop pointer chasing through lm-eval: "
             f"{acc.text(' pt')} of "
             f"accuracy, loss {loss.text()}; no task in common: {CONTRADICTED} needs the other side of zero)")
-    return lines, [claim(verdict(acc, [1e-9], lower=False), text)]
+    return lines, [claim(verdict(acc, [1e-9], lower=False), text) + margins]

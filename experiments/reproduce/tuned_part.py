@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from verdicts import NOT_RESOLVED
+from verdicts import NOT_RESOLVED, MarginVerdict, margin_note
 
+from attnres.atomic import read_json
 from attnres.results import tuning
 from attnres.results.tuned_summary import choice_line, write_tuned_summary
 
@@ -44,6 +45,7 @@ def part_tuned(out: Path, figs: Path, shared: Any, effect_cls: Any, verdict: Cal
     seeds = sorted({s for arm, s in loss if arm == BLOCK} & {s for arm, s in loss if arm == STANDARD})
     effect = effect_cls({s: 100 * (loss[BLOCK, s] - loss[STANDARD, s]) / loss[STANDARD, s] for s in seeds})
     word = verdict(effect, table2) if seeds else NOT_RESOLVED
+    margin = margin_note(("loss", MarginVerdict.from_effect(effect))) if seeds else ""
     lr = {name: (g.get("chosen_values") or {}).get("optim.optimizer.lr") for name, g in groups.items()}
     edges = [name for name, g in groups.items() if g.get("edge")]
     if shared is not None and shared.per_seed:
@@ -73,7 +75,7 @@ def part_tuned(out: Path, figs: Path, shared: Any, effect_cls: Any, verdict: Cal
         "",
         f"Block N=4 minus standard, each at its own lr, as a share of the standard's val/loss, paired by seed: "
         f"**{effect.text() if seeds else 'no pairs yet'}** ({len(seeds)} seeds); beside it, {beside}. "
-        f"The paper (Table 2, tuned for the baseline only): {paper_range}.", "",
+        f"The paper (Table 2, tuned for the baseline only): {paper_range}.{margin}", "",
     ]
     if fig_path:
         text += [f"![the search]({fig_path})", ""]
@@ -91,5 +93,22 @@ def part_tuned(out: Path, figs: Path, shared: Any, effect_cls: Any, verdict: Cal
     what = "Block AttnRes (N = 4) has a lower loss than the standard residual with each at its own learning rate"
     claims = [claim(word, f"{what} (paper: tuned for the baseline only, Table 2: {paper_range} of the baseline's "
                           f"loss; ours: {effect.text()}, deep shape, lr {lrs or 'not chosen'}; shared lr: "
-                          f"{beside.split(' at the')[0]})")] if seeds else []
+                          f"{beside.split(' at the')[0]})") + margin] if seeds else []
     return text, claims
+
+
+def verdict_runs(out: Path) -> list[dict[str, Any]]:
+    """The verdict seeds' runs of each arm (records.py): arm, stage (`tuned`: at its chosen values;
+    `configured`: at the shared ones, where the sweep ran them), chosen values, seed, status, metrics."""
+    sweep = out / FOLDER
+    state = tuning.read_state(sweep)
+    groups = {g["label"]: g for g in state.get("groups", [])}
+    found = []
+    for arm in state.get("arms", []):
+        chosen = (groups.get(arm.get("group", arm["label"])) or {}).get("chosen_values") or {}
+        for stage, field in (("tuned", "jobs"), ("configured", "untuned_jobs")):
+            for seed, job in (arm.get(field) or {}).items():
+                metrics = read_json(sweep / job / "metrics.json")
+                found.append({"arm": arm["label"], "stage": stage, "chosen": chosen, "seed": int(seed), "job": job,
+                              "status": metrics.get("status", "unfinished"), **metrics.get("metrics", {})})
+    return found
