@@ -33,7 +33,10 @@ The two-phase API (`key_inv_rms`, `completed_attention`, `merge_completed`, `mer
 is what the residual strategies use: statistics of a completed source computed once, the
 queries of several sublayers against all completed sources in one pass (phase 1, which
 `merge_completed` extends by sources completed since), and each sublayer's own newest
-sources merged in with an online-softmax update (phase 2).
+sources merged in with an online-softmax update (phase 2). Each takes the next sublayer's
+pre-norm too (`output_norm_weight=`, `output_norm_eps=`), applied to its first output: the C++
+kernel fuses it into the same loop over the tokens (forward and backward; `cpu_fused`), the
+other implementations compose it (`F.rms_norm` on the mixed h, the same math).
 """
 
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnres.ops import naive_depth_attention
@@ -159,6 +163,8 @@ def completed_attention(
     eps: float = 1e-6,
     kernel: str = "auto",
     stacked: Tensor | tuple | None = None,
+    output_norm_weight: Tensor | None = None,
+    output_norm_eps: float | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Phase 1: K queries (K, D) (gain-folded, see `fold_queries`) against the same sources
     (n tensors (..., D)) in one pass. `inv_rms`: (n, ...) from `key_inv_rms`, or None to
@@ -166,12 +172,35 @@ def completed_attention(
     which `merge_partial` needs to extend the softmax with further sources. `stacked`: what
     `SourceStack.take` gives with the sources, for the implementation it was built for: the
     sources' values as one (n, ..., D) tensor ("torch", which then reads that instead of
-    stacking them itself), or the pass's gradient sink ("cpu"); None otherwise."""
+    stacking them itself), or the pass's gradient sink ("cpu"); None otherwise.
+    `output_norm_weight` (D,): output 0 is RMSNorm(h_0) * output_norm_weight, with eps
+    `output_norm_eps` (None: `eps`), the log-sum-exp still h_0's (module docstring)."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, sources[0])
     impl = implementation("torch" if kernel == "naive" else kernel)
-    outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, (), None, eps, stacked=stacked)
+    outs, lse = _run_normed(impl, sources, inv_rms, queries, (), None, eps, stacked, output_norm_weight,
+                            output_norm_eps)
     return outs, lse
+
+
+def _run_normed(impl, sources, inv_rms, queries, prefix_h, prefix_lse, eps, stacked, norm_weight, norm_eps):
+    """`impl.run_depth_attention`'s (outs, lse), output 0 through the pre-norm `norm_weight`
+    when one is given: in the kernel where it fuses one (`FUSED_OUTPUT_NORM`), else composed."""
+    norm_eps = eps if norm_eps is None else norm_eps
+    if norm_weight is not None and getattr(impl, "FUSED_OUTPUT_NORM", False):
+        outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, prefix_h, prefix_lse, eps,
+                                                out_norm=norm_weight.to(queries.dtype), stacked=stacked,
+                                                out_eps=norm_eps)
+        return outs, lse
+    outs, _, lse = impl.run_depth_attention(sources, inv_rms, queries, prefix_h, prefix_lse, eps, stacked=stacked)
+    if norm_weight is not None:
+        outs = [_prenorm(outs[0], norm_weight, norm_eps), *outs[1:]]
+    return outs, lse
+
+
+def _prenorm(h: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The composed pre-norm, as the model's own `RMSNorm` computes it."""
+    return F.rms_norm(h, (h.shape[-1],), weight, eps)
 
 
 def merge_completed(
@@ -183,6 +212,8 @@ def merge_completed(
     eps: float = 1e-6,
     kernel: str = "auto",
     stacked: Tensor | tuple | None = None,
+    output_norm_weight: Tensor | None = None,
+    output_norm_eps: float | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Phase 1 extended by more completed sources: K phase-1 results `accs` (K tensors (..., D))
     with their log-sum-exp `lse` (K, ...) and the same K queries (K, D) merged with `sources`
@@ -190,14 +221,19 @@ def merge_completed(
     Returns the K outputs and their log-sum-exp, which `merge_partial` (or this) extends further.
     Block AttnRes runs a block's phase 1 one block early, with the block before it, over all
     completed blocks but the newest, and merges the newest here (`BlockAttentionResidual`).
-    `inv_rms` and `stacked`: as for `merge_partial`."""
+    `inv_rms` and `stacked`: as for `merge_partial`; `output_norm_weight`, `output_norm_eps`: as for
+    `completed_attention` (output 0 through the next sublayer's pre-norm)."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, accs[0])
     impl = implementation("torch" if kernel == "naive" else kernel)
     limit = merge_queries(kernel)
     if limit is None or len(accs) <= limit:
-        outs, _, merged = impl.run_depth_attention(sources, inv_rms, queries, list(accs), lse, eps, stacked=stacked)
-        return outs, merged
+        return _run_normed(impl, sources, inv_rms, queries, list(accs), lse, eps, stacked, output_norm_weight,
+                           output_norm_eps)
+    if output_norm_weight is not None:  # a pass per query: the norm composed on the first output
+        outs, merged = merge_completed(accs, lse, sources, inv_rms, queries, eps, kernel, stacked)
+        eps_n = eps if output_norm_eps is None else output_norm_eps
+        return [_prenorm(outs[0], output_norm_weight, eps_n), *outs[1:]], merged
     outs, merged = [], []  # a kernel that takes one query with a prefix: a call per query
     for k, acc in enumerate(accs):
         out, _, one = impl.run_depth_attention(sources, inv_rms, queries[k : k + 1], [acc], lse[k : k + 1], eps,
@@ -222,17 +258,24 @@ def merge_partial(
     eps: float = 1e-6,
     kernel: str = "auto",
     stacked: Tensor | tuple | None = None,
+    output_norm_weight: Tensor | None = None,
+    output_norm_eps: float | None = None,
 ) -> Tensor:
     """Phase 2: extend a phase-1 result `acc` (..., D) with log-sum-exp `lse` (...) by more
     sources (e.g. the block's partial sum) under the same query (D,), as one softmax over all:
     the online-softmax merge. `inv_rms`: (len(sources), ...) or None. `stacked`: as for
-    `completed_attention`. Returns h (..., D)."""
+    `completed_attention`. Returns h (..., D), or with `output_norm_weight` (D,)
+    RMSNorm(h) * output_norm_weight (eps `output_norm_eps`, None: `eps`; fused on the C++ kernel)."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, acc)
     impl = implementation("torch" if kernel == "naive" else kernel)
     if len(sources) == 1 and hasattr(impl, "merge_one"):  # e.g. Block AttnRes's partial sum: a few ops
-        return impl.merge_one(acc, lse, sources[0], query, eps)
-    outs, _ = merge_completed([acc], lse.unsqueeze(0), sources, inv_rms, query.unsqueeze(0), eps, kernel, stacked)
+        h = impl.merge_one(acc, lse, sources[0], query, eps)
+        if output_norm_weight is None:
+            return h
+        return _prenorm(h, output_norm_weight, eps if output_norm_eps is None else output_norm_eps)
+    outs, _ = merge_completed([acc], lse.unsqueeze(0), sources, inv_rms, query.unsqueeze(0), eps, kernel, stacked,
+                              output_norm_weight, output_norm_eps)
     return outs[0]
 
 

@@ -105,8 +105,13 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: KVCache | None = None) -> Tensor:
+        return self.forward_normed(self.norm(x), rope, kv_cache)
+
+    def forward_normed(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: KVCache | None = None) -> Tensor:
+        """`forward` of an input already through `self.norm`: a residual strategy that fuses the
+        pre-norm into its depth mix calls this (`DepthAttentionResidual.prenorm_of`)."""
         B, T, D = x.shape
-        q, k, v = self.qkv(self.norm(x)).split(D, dim=-1)
+        q, k, v = self.qkv(x).split(D, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         cos, sin = rope  # the tables at these T positions
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -151,7 +156,12 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv_cache: KVCache | None = None) -> Tensor:
-        u = self.up(self.norm(x))
+        return self.forward_normed(self.norm(x))
+
+    def forward_normed(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None,
+                       kv_cache: KVCache | None = None) -> Tensor:
+        """`forward` of an input already through `self.norm` (as `Attention.forward_normed`)."""
+        u = self.up(x)
         if self.activation == "swiglu":
             gate, u = u.chunk(2, dim=-1)
             u = F.silu(gate) * u

@@ -38,6 +38,14 @@ __all__ = ["DTYPES", "GradSink", "available", "fused_depth_attention", "inv_rms"
 
 DTYPES = (torch.float32, torch.float64)
 CACHED_STATISTICS = False  # `SourceStack` keeps no key statistics: the kernel computes them in passing
+# `run_depth_attention(out_norm=...)` norms output 0 of any call (K queries, a prefix or not): the
+# strategies' two-phase sites can hand the next sublayer its pre-norm (`attnres.functional`)
+FUSED_OUTPUT_NORM = True
+SECOND_ORDER_NORMED_MERGE = (
+    "attnres: a second-order gradient (create_graph=True) through a merge with the next sublayer's pre-norm "
+    "fused in (the Block/Full strategies' fuse_prenorm on kernel='cpu') is not available: set fuse_prenorm=False "
+    "on the strategy (its default), or use kernel='naive'"
+)
 SOURCE = Path(__file__).with_name("csrc") / "depth_attention_cpu.cpp"
 OPENMP_FAILED = "openmp-failed"  # in an OpenMP build's folder: that build failed here, do not try again
 _lock = threading.Lock()
@@ -183,7 +191,7 @@ def _register_fakes() -> None:
     """Shapes of the C++ ops' outputs, for torch.compile's tracing."""
 
     @torch.library.register_fake("attnres_cpu::forward")
-    def _(vals, r_cache, queries, prefix_h, prefix_lse, eps, out_norm):
+    def _(vals, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, out_eps):
         shape, n, K = vals[0].shape, len(vals), queries.shape[0]
         lead, new = shape[:-1], queries.new_empty
         norm = out_norm is not None
@@ -238,16 +246,17 @@ class _CpuDepthAttention(torch.autograd.Function):
     outputs (the caller keeps them anyway: they are sublayer inputs). A backward that is itself
     differentiated (create_graph=True) runs `torch_fused.differentiable_backward` instead of the
     C++ one, which autograd cannot differentiate, and hands the source gradients to autograd,
-    not to the gradient sink."""
+    not to the gradient sink; with a fused output norm and a prefix it refuses in one line
+    (SECOND_ORDER_NORMED_MERGE)."""
 
     @staticmethod
-    def forward(ctx, eps, r_cache, queries, prefix_lse, out_norm, slots, n, *tensors):  # n sources, K prefixes or 0
+    def forward(ctx, eps, r_cache, queries, prefix_lse, out_norm, slots, n, out_eps, *tensors):  # n sources, K prefixes
         sources, prefix_h = list(tensors[:n]), list(tensors[n:])
         ctx.slots = slots  # None, or (sink, each source's index in it or None): see GradSink
         outs, z, lse, r, h, hn = torch.ops.attnres_cpu.forward(sources, r_cache, queries, prefix_h, prefix_lse, eps,
-                                                               out_norm)
+                                                               out_norm, out_eps)
         ctx.n, ctx.K, ctx.has_prefix, ctx.has_norm = n, queries.shape[0], prefix_lse is not None, out_norm is not None
-        ctx.eps = eps
+        ctx.eps, ctx.out_eps = eps, out_eps
         ctx.mark_non_differentiable(r, h, hn)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(queries, r, z, lse, prefix_lse, out_norm, h, hn, *sources,
@@ -263,15 +272,17 @@ class _CpuDepthAttention(torch.autograd.Function):
         d_outs, dz, dlse = grads[:K], grads[K], grads[K + 1]
         n_prefix = K if ctx.has_prefix else 0
         if dz is None and dlse is None and all(g is None for g in d_outs):
-            return (None,) * (7 + n + n_prefix)
+            return (None,) * (8 + n + n_prefix)
         queries, r, z, lse, prefix_lse, out_norm, h, hn, *rest = ctx.saved_tensors
         sources, outs = rest[:n], rest[n:]
         if not ctx.has_norm:
             out_norm = h = hn = None
         if second_order():  # create_graph=True: differentiable operations, the sink bypassed
+            if ctx.has_norm and ctx.has_prefix:  # h needs the prefix's value, which is not kept
+                raise RuntimeError(SECOND_ORDER_NORMED_MERGE)
             d_src, d_q, d_pre_h, d_pre_lse, d_w = differentiable_backward(
-                sources, ctx.eps, queries, z, lse, prefix_lse, outs, d_outs, dz, dlse, out_norm)
-            return (None, None, d_q, d_pre_lse, d_w, None, None, *d_src, *d_pre_h)
+                sources, ctx.eps, queries, z, lse, prefix_lse, outs, d_outs, dz, dlse, out_norm, ctx.out_eps)
+            return (None, None, d_q, d_pre_lse, d_w, None, None, None, *d_src, *d_pre_h)
         into: list[Tensor | None] = []
         if ctx.slots is not None:
             sink, index = ctx.slots
@@ -285,7 +296,7 @@ class _CpuDepthAttention(torch.autograd.Function):
                 if i is not None:
                     sink.grads[i], d_src[j] = d_src[j], None
         return (None, None, d_q, d_pre_lse if ctx.has_prefix else None, d_w if ctx.has_norm else None, None, None,
-                *d_src, *d_pre_h)
+                None, *d_src, *d_pre_h)
 
 
 def run_depth_attention(
@@ -297,23 +308,25 @@ def run_depth_attention(
     eps: float = 1e-6,
     out_norm: Tensor | None = None,
     stacked: Tensor | None = None,
+    out_eps: float | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """`torch_fused.run_depth_attention` on the C++ kernels: float32 or float64 CPU sources
     (..., D), queries (K, D) and prefixes of the same dtype. `stacked`: what
     `SourceStack.take` gives with the sources for this kernel, (GradSink, each source's index
-    in it or None), or None; the kernels read the sources where they are."""
-    if out_norm is not None and (queries.shape[0] != 1 or prefix_lse is not None):
-        raise ValueError("a fused output norm takes one query and no prefix")
+    in it or None), or None; the kernels read the sources where they are. `out_norm` (D,): output
+    0 is RMSNorm(h_0) * out_norm with eps `out_eps` (None: `eps`), for any number of queries,
+    with or without a prefix (`FUSED_OUTPUT_NORM`)."""
+    out_eps = eps if out_eps is None else out_eps
     n = len(sources)
     if torch.is_grad_enabled() and (queries.requires_grad or any(t.requires_grad for t in sources)
                                     or any(t.requires_grad for t in prefix_h)
                                     or any(t is not None and t.requires_grad for t in (prefix_lse, out_norm))):
         *outs, z, lse, _, _, _ = _CpuDepthAttention.apply(eps, r_cache, queries, prefix_lse, out_norm, stacked, n,
-                                                          *sources, *prefix_h)
+                                                          out_eps, *sources, *prefix_h)
         return outs, z, lse
     with torch.no_grad():
         outs, z, lse, *_ = torch.ops.attnres_cpu.forward(list(sources), r_cache, queries, list(prefix_h), prefix_lse,
-                                                         eps, out_norm)
+                                                         eps, out_norm, out_eps)
     return list(outs), z, lse
 
 

@@ -293,6 +293,7 @@ def differentiable_backward(
     dz_ext: Tensor | None,
     dlse: Tensor | None,
     out_norm: Tensor | None = None,
+    out_eps: float | None = None,
 ) -> tuple[list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
     """`depth_attention_backward` in differentiable operations, for a backward whose result is
     differentiated again (`second_order`), for every fused path (torch, C++, Triton). Inputs as
@@ -319,9 +320,9 @@ def differentiable_backward(
     a_src = alpha[:, 1:] if has_prefix else alpha
     d_o = [torch.zeros(m, d, dtype=cd, device=queries.device) if g is None else _rows(g, cd) for g in d_outs]
     d_out_norm = None
-    if out_norm is not None:  # K == 1, no prefix: from the cotangent of y = h * n * w to that of h
+    if out_norm is not None:  # output 0, no prefix: from the cotangent of y = h * n * w to that of h
         h = sum(a_src[0, i].unsqueeze(-1) * v for i, v in enumerate(vs))
-        hn = torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + eps)  # (M, 1)
+        hn = torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + (eps if out_eps is None else out_eps))  # (M, 1)
         d_out_norm = (d_o[0] * h * hn).sum(dim=0).to(out_norm.dtype)
         wdy = d_o[0] * out_norm.to(cd)
         d_o[0] = wdy * hn - (hn * (wdy * h).sum(dim=-1, keepdim=True) * hn / d) * (h * hn)

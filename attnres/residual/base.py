@@ -66,6 +66,10 @@ def _plain_sum(sources: Sequence[Tensor]) -> Tensor:
     return out
 
 
+def _global_hooks() -> bool:
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
 def _mean_rms(x: Tensor) -> Tensor:
     return x.detach().float().pow(2).mean(dim=-1).sqrt().mean()
 
@@ -224,6 +228,11 @@ class DepthAttentionResidual(ResidualStrategy):
     #: the most tokens (B * T) a pass without gradients may have to take the one-pass route
     #: (module docstring); 0: never. Set by each strategy where it measured the crossover.
     one_pass_tokens: int = 0
+    #: whether the two-phase path hands a sublayer its input already through the sublayer's own
+    #: pre-norm, fused into the depth mix on the C++ kernel (`prenorm_of`); set it on an instance.
+    #: Off by default: at the CPU studies' widths it saved nothing measurable (experiments/BENCHMARKS.md,
+    #: "Narrow models")
+    fuse_prenorm: bool = False
 
     def __init__(
         self,
@@ -336,6 +345,21 @@ class DepthAttentionResidual(ResidualStrategy):
         return _plain_sum(sources)
 
     # -- the fast path's shared pieces -----------------------------------------------------------
+    def prenorm_of(self, sublayer: Sublayer) -> tuple[Tensor, float] | None:
+        """(weight, eps) of `sublayer`'s pre-norm when the fast path may fuse it into the sublayer's
+        depth mix and call `sublayer.forward_normed` with the result (`attnres.Transformer`'s
+        sublayers: their RMSNorm is `norm`); None when `fuse_prenorm` is off, the sublayer has no
+        such pair, or a hook watches it or its norm (the hook would see the normed input, or none)."""
+        if not self.fuse_prenorm or not hasattr(sublayer, "forward_normed"):
+            return None
+        norm = getattr(sublayer, "norm", None)
+        weight, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
+        if not isinstance(weight, Tensor) or not isinstance(eps, float):
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in (sublayer, norm)) or _global_hooks():
+            return None
+        return weight, eps
+
     def fast_queries(self, like: Tensor) -> Tensor:
         """All L + 1 queries with the key-norm gains folded in, (L + 1, D), statistics dtype."""
         return fold_queries(self.pseudo_query, self.key_norm_weight, like.dtype)

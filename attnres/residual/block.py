@@ -236,6 +236,10 @@ class BlockAttentionResidual(DepthAttentionResidual):
         early_output: tuple[list[Tensor], Tensor] | None = None
         L = self.num_layers
         for n, (start, S) in enumerate(zip(self._starts, self.block_sizes, strict=True)):
+            # each site's pre-norm (weight, eps), fused into its mix, or None (`prenorm_of`); a
+            # block's first sublayer is output 0 of the pass that serves its queries
+            norms = [self.prenorm_of(sublayers[start + i]) for i in range(S)]
+            first = norms[0] or (None, None)
             if early is None:
                 # phase 1: the S queries of this block (and of the next, see `ahead_blocks`)
                 # against all completed blocks, one pass
@@ -243,7 +247,7 @@ class BlockAttentionResidual(DepthAttentionResidual):
                 joins = output_early and n == last  # the output's query rides along
                 mine = torch.cat((queries[start:stop], queries[L:])) if joins else queries[start:stop]
                 done, done_rms, stacked = blocks.take()
-                accs, lse = completed_attention(done, done_rms, mine, eps, kernel, stacked)
+                accs, lse = completed_attention(done, done_rms, mine, eps, kernel, stacked, *first)
                 if joins:
                     early_output, accs, lse = (accs[-1:], lse[-1:]), accs[:-1], lse[:-1]
                 if ahead[n]:
@@ -251,7 +255,7 @@ class BlockAttentionResidual(DepthAttentionResidual):
             else:  # phase 1 done a block early: the newest completed block merged in
                 newest, newest_rms, stacked = blocks.take(n, n + 1)
                 accs, lse = merge_completed(*early, newest, newest_rms, queries[start : start + S], eps, kernel,
-                                            stacked)
+                                            stacked, *first)
                 early = None
             partial: Tensor | None = None
             for i in range(S):
@@ -259,8 +263,12 @@ class BlockAttentionResidual(DepthAttentionResidual):
                 if partial is None:
                     h = accs[i]
                 else:  # phase 2: fold in this block's partial sum (online softmax)
-                    h = merge_partial(accs[i], lse[i], [partial], None, queries[index], eps, kernel)
-                out = self.call_sublayer(index, sublayers[index], h, sublayer_kwargs)
+                    h = merge_partial(accs[i], lse[i], [partial], None, queries[index], eps, kernel, None,
+                                      *(norms[i] or (None, None)))
+                if norms[i] is None:
+                    out = self.call_sublayer(index, sublayers[index], h, sublayer_kwargs)
+                else:  # h is the sublayer's pre-norm of the mix already
+                    out = sublayers[index].forward_normed(h, **sublayer_kwargs)
                 partial = out if partial is None else partial + out
             blocks.append(partial, statistics=start + S < self.num_layers or self.output_aggregation)
         if early_output is None:

@@ -108,15 +108,21 @@ class FullAttentionResidual(DepthAttentionResidual):
         for index, sublayer in enumerate(sublayers):
             j = index % C
             start = index - j
+            norm = self.prenorm_of(sublayer)  # (weight, eps): fused into the mix (`prenorm_of`), or None
             if j == 0:  # phase 1: this chunk's queries against all sources so far
                 chunk_queries = queries[start : min(start + C, L)]
                 done, done_rms, stacked = sources.take()
-                accs, lse = completed_attention(done, done_rms, chunk_queries, eps, kernel, stacked)
+                accs, lse = completed_attention(done, done_rms, chunk_queries, eps, kernel, stacked,
+                                                *(norm or (None, None)))
                 h = accs[0]
             else:  # phase 2: merge the j sources added since the chunk began
                 newer, newer_rms, stacked = sources.take(start + 1, index + 1)
-                h = merge_partial(accs[j], lse[j], newer, newer_rms, queries[index], eps, kernel, stacked)
-            out = self.call_sublayer(index, sublayer, h, sublayer_kwargs)
+                h = merge_partial(accs[j], lse[j], newer, newer_rms, queries[index], eps, kernel, stacked,
+                                  *(norm or (None, None)))
+            if norm is None:
+                out = self.call_sublayer(index, sublayer, h, sublayer_kwargs)
+            else:  # h is the sublayer's pre-norm of the mix already
+                out = sublayer.forward_normed(h, **sublayer_kwargs)
             sources.append(out, statistics=index + 1 < L or self.output_aggregation)
         return self.fast_output(sources, queries, kernel)
 

@@ -12,6 +12,13 @@
 // is written fresh or added into a buffer the caller passes (`accumulate`: the gradient sink
 // of cpu_fused.py, one buffer per source over all the calls that read it).
 //
+// A fused output norm (`out_norm`, the weight w, with its own eps: the next sublayer's pre-norm)
+// turns output 0 into y = RMSNorm(h_0) w, formed from the unrounded h_0 while its row is in L1,
+// with or without a prefix and beside any number of further queries (phase 1 and phase 2 of the
+// strategies' two-phase path: the sublayer whose query is first reads y, not h). h_0 and its
+// inverse RMS are kept for the backward, which turns y's cotangent into h_0's in the same loop:
+// no pass over memory of its own either way.
+//
 // Built on first use by attnres/ops/cpu_fused.py (torch.utils.cpp_extension); float32 and
 // float64, the compute dtype of the sources (half sources take the PyTorch path). Tokens are
 // split over ATen's intra-op threads; the query and norm-weight gradients are summed per
@@ -381,7 +388,7 @@ inline void weights_tile(const T* zs, const T* lse, int64_t cnt, int64_t tn, T* 
 std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
     std::vector<Tensor> vals, const c10::optional<Tensor>& r_cache, const Tensor& queries_in,
     std::vector<Tensor> prefix_h, const c10::optional<Tensor>& prefix_lse_in, double eps,
-    const c10::optional<Tensor>& out_norm_in) {
+    const c10::optional<Tensor>& out_norm_in, double out_eps) {
   TORCH_CHECK(!vals.empty(), "depth attention needs at least one source");
   const auto dt0 = queries_in.scalar_type();
   prepare(vals, dt0);
@@ -394,7 +401,6 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
   check_rows(vals, shape, dt, "sources");
   const bool has_prefix = prefix_lse_in.has_value() && prefix_lse_in->defined();
   const bool has_norm = out_norm_in.has_value() && out_norm_in->defined();
-  TORCH_CHECK(!has_norm || (K == 1 && !has_prefix), "a fused output norm takes one query and no prefix");
   if (has_prefix) {
     TORCH_CHECK((int64_t)prefix_h.size() == K, "one prefix per query");
     check_rows(prefix_h, shape, dt, "prefix_h");
@@ -485,8 +491,9 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
         }
         for (int64_t u = 0; u < tn; ++u) {
         const int64_t t = t0 + u;
+        // with a fused norm, output 0's h goes to its own tensor and output 0 gets y = RMSNorm(h) w
         for (int64_t k = 0; k < K; ++k)
-          orow[k] = has_norm ? hp + t * d : static_cast<T*>(const_cast<void*>(outp[k])) + t * d;
+          orow[k] = has_norm && k == 0 ? hp + t * d : static_cast<T*>(const_cast<void*>(outp[k])) + t * d;
         // the weighted sums: each source row read once per group of queries
         for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
           with_group(std::min<int64_t>(kGroup, K - k0), [&](auto g) {
@@ -511,7 +518,7 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
         }
         if (has_norm) {  // y = h * n * w from the unrounded h
           const T* o = orow[0];
-          const T nh = T(1) / std::sqrt(dot(o, o, d) / T(d) + T(eps));
+          const T nh = T(1) / std::sqrt(dot(o, o, d) / T(d) + T(out_eps));
           hnp[t] = nh;
           T* y = static_cast<T*>(const_cast<void*>(outp[0])) + t * d;
 #pragma omp simd
@@ -629,7 +636,7 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
         const int64_t t = t0 + u;
         for (int64_t k = 0; k < K; ++k) {
           const T* dy = present[k] ? static_cast<const T*>(dop[k]) + t * d : zero.data();
-          if (has_norm) {  // from the cotangent of y = h * n * w to that of h (K == 1)
+          if (has_norm && k == 0) {  // from the cotangent of y = h * n * w to that of h (output 0)
             const T* hr = hp + t * d;
             const T nh = hnp[t];
             T* db = dobuf.data();
@@ -665,7 +672,9 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
           const T* a = alpha.data() + (k * cnt + off) * kTile + u;  // a[i * kTile]: source i's weight
           T ag = 0;
           for (int64_t i = 0; i < n; ++i) ag += a[i * kTile] * g[k * n + i];
-          const T P = has_prefix ? dot(dorow[k], static_cast<const T*>(ops[k]) + t * d, d) : ag;
+          // with a prefix P_k = dO_k . h_k, where output 0's h is the tensor kept beside its y
+          const T P = !has_prefix ? ag
+                      : dot(dorow[k], has_norm && k == 0 ? hp + t * d : static_cast<const T*>(ops[k]) + t * d, d);
           const T dl = has_dlse ? dlp[k * m + t] : T(0);
           for (int64_t i = 0; i < n; ++i) {
             T v = a[i * kTile] * (g[k * n + i] - P) + a[i * kTile] * dl;
@@ -785,7 +794,7 @@ Tensor mix(std::vector<Tensor> vals, const Tensor& queries, int64_t row, double 
 TORCH_LIBRARY(attnres_cpu, lib) {
   lib.def(
       "forward(Tensor[] vals, Tensor? r_cache, Tensor queries, Tensor[] prefix_h, Tensor? prefix_lse, float eps, "
-      "Tensor? out_norm) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? out_norm, float out_eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
   lib.def(
       "backward(Tensor[] vals, Tensor r, Tensor queries, Tensor z, Tensor lse, Tensor? prefix_lse, Tensor[] outs, "
       "Tensor?[] d_outs, Tensor? dz_ext, Tensor? dlse, Tensor? out_norm, Tensor? h, Tensor? h_inv_rms, "
