@@ -67,6 +67,7 @@ OP_TIME_SHAPE = (9, 4096, 256)
 OP_MEMORY_SHAPE = (9, 16384, 768)
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STRATEGIES = ("standard", "block", "full", "block-prenorm", "full-prenorm")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated subset of eager,compiled (e.g. 'compiled' alone, to split a long GPU run)")
     p.add_argument("--kernel", default="auto", choices=KERNELS,
                    help="depth-attention implementation of the AttnRes strategies (naive = the reference path)")
-    p.add_argument("--strategies", default="standard,block,full", help="comma-separated subset")
+    p.add_argument("--strategies", default="standard,block,full",
+                   help=f"comma-separated subset of {','.join(STRATEGIES)} (-prenorm: each sublayer's pre-norm fused "
+                        "into its depth mix, the strategies' fuse_prenorm)")
     p.add_argument("--num-blocks", type=int, default=8)
     p.add_argument("--n-layer", type=int)
     p.add_argument("--n-embd", type=int)
@@ -99,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads on CPU (default: 1 with --quick, else torch's; on a small shared "
                         "machine, multi-threaded ops measure the scheduler more than the op)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="on CPU, time each call in the thread's CPU time, not the wall clock (a loaded machine; "
+                        "meaningful with --threads 1)")
     p.add_argument("--bandwidth", type=float, default=None,
                    help=f"bytes/s of the op's floor (default: H200 {H200_BANDWIDTH:.1e} on CUDA, a copy on CPU)")
     p.add_argument("--op-only", action="store_true", help="only the op-vs-floor measurement")
@@ -128,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.threads is None and (small or args.op_shapes) and args.device.type == "cpu":
         args.threads = 1
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    if unknown or not args.strategies:
+        p.error(f"--strategies takes a comma-separated subset of {','.join(STRATEGIES)}, got {unknown or 'none'}")
     return args
 
 
@@ -137,10 +146,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Timer:
-    """Wall time on CPU, CUDA events on GPU (read after one synchronize per round)."""
+    """Wall time on CPU (or with `cpu_time` the thread's CPU time, `time.thread_time`: on a machine
+    shared with other jobs the wall clock also counts the time the scheduler gives to them; right
+    at 1 thread, where every op runs on the calling thread), CUDA events on GPU (read after one
+    synchronize per round)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cpu_time: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.clock = time.thread_time if cpu_time else time.perf_counter
 
     def __call__(self, fn: Callable[[], object]) -> Callable[[], float]:
         if self.cuda:
@@ -149,9 +162,9 @@ class Timer:
             fn()
             end.record()
             return lambda: start.elapsed_time(end) / 1e3
-        t = time.perf_counter()
+        t = self.clock()
         fn()
-        dt = time.perf_counter() - t
+        dt = self.clock() - t
         return lambda: dt
 
     def sync(self) -> None:
@@ -191,13 +204,22 @@ def interleaved(fns: dict[str, Callable[[], object]], steps: int, warmup: int, t
 
 
 def strategy_factory(name: str, args: argparse.Namespace):
-    if name == "standard":
+    """`name`: standard, block or full; block-prenorm and full-prenorm are those with each
+    sublayer's pre-norm fused into its depth mix (the strategies' `fuse_prenorm`)."""
+    base, _, variant = name.partition("-")
+    if base == "standard" and not variant:
         return StandardResidual
-    if name == "block":
-        return functools.partial(BlockAttentionResidual, num_blocks=args.num_blocks, kernel=args.kernel)
-    if name == "full":
-        return functools.partial(FullAttentionResidual, kernel=args.kernel)
-    raise ValueError(f"unknown strategy {name!r}; choose from standard, block, full")
+    if base in ("block", "full") and variant in ("", "prenorm"):
+        factory = (functools.partial(BlockAttentionResidual, num_blocks=args.num_blocks, kernel=args.kernel)
+                   if base == "block" else functools.partial(FullAttentionResidual, kernel=args.kernel))
+        return functools.partial(_fused_prenorm, factory) if variant else factory
+    raise ValueError(f"unknown strategy {name!r}; choose from standard, block, full, block-prenorm, full-prenorm")
+
+
+def _fused_prenorm(factory, **kw):
+    residual = factory(**kw)
+    residual.fuse_prenorm = True
+    return residual
 
 
 def saved_forward_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> int:
@@ -288,11 +310,11 @@ def peak_bytes(case: Case, fn: Callable[[], None], device: torch.device) -> int 
 # ------------------------------------------------------------------------------------------------
 
 
-def copy_bandwidth(device: torch.device) -> float:
+def copy_bandwidth(device: torch.device, cpu_time: bool = False) -> float:
     """Bytes/s of a large copy (read + write) on this device, best of a few."""
     src = torch.empty(16 * 2**20, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    timer, best = Timer(device), float("inf")
+    timer, best = Timer(device, cpu_time), float("inf")
     for _ in range(3):
         dst.copy_(src)
     for _ in range(10):
@@ -314,12 +336,12 @@ def cold_stream_bandwidth(args: argparse.Namespace) -> float | None:
     stacked = torch.randn(n_src, s["batch"], s["seq_len"], s["n_embd"], dtype=args.dtype)
     out = torch.empty(stacked.shape[1:], dtype=args.dtype)
     flush = torch.empty(64 * 2**20)  # 256 MB of float32
-    best = float("inf")
+    best, clock = float("inf"), time.thread_time if args.cpu_time else time.perf_counter
     for _ in range(7):
         flush.fill_(1.0)
-        t = time.perf_counter()
+        t = clock()
         torch.sum(stacked, 0, out=out)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return (n_src + 1) * out.numel() * out.element_size() / best
 
 
@@ -340,38 +362,59 @@ def op_kernels(like: torch.Tensor) -> list[str]:
     return kernels + (["cpu"] if resolve_kernel("auto", like) == "cpu" else [])
 
 
+# tensor passes of the op alone over n sources (one (B, T, D) tensor each): forward reads the
+# sources and writes h; backward reads dh and the sources and writes their gradients. With the next
+# pre-norm fused in (`+norm`) forward writes y and keeps h, backward reads dy and h in place of dh.
+# Composed (`,norm`: the op, then F.rms_norm) adds the norm's own 5: forward reads h and writes y,
+# backward reads dy and h and writes dh.
+OP_PASSES = {
+    "": {"forward": lambda n: n + 1, "forward_backward": lambda n: 3 * n + 2},
+    "+norm": {"forward": lambda n: n + 2, "forward_backward": lambda n: 3 * n + 4},
+    ",norm": {"forward": lambda n: n + 3, "forward_backward": lambda n: 3 * n + 7},
+}
+
+
 def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
     """Depth attention over N + 1 sources of (B, T, D), forward and forward + backward, per
-    implementation, against the floor: forward reads N + 1 sources and writes h; backward
-    reads dh and the sources and writes their gradients (3 (N + 1) + 2 tensor passes in all)."""
+    implementation, against the floor (`OP_PASSES`: 3 (N + 1) + 2 tensor passes in all); on the
+    C++ kernel also with the next sublayer's pre-norm fused in (`cpu+norm`) and composed after it
+    (`cpu,norm`), each against its own floor."""
     s, dev, dtype = args.shape, args.device, args.dtype
     n_src = args.num_blocks + 1
     sources, query, gain = op_inputs(n_src, (s["batch"], s["seq_len"]), s["n_embd"], args)
+    norm_weight = torch.ones(s["n_embd"], device=dev, requires_grad=True)
     dh = torch.randn_like(sources[0])
     tensor_bytes = sources[0].numel() * sources[0].element_size()
-    floors = {
-        "forward": (n_src + 1) * tensor_bytes / bandwidth,
-        "forward_backward": (3 * n_src + 2) * tensor_bytes / bandwidth,
-    }
-    kernels = op_kernels(sources[0])
-    timer = Timer(dev)
-    out = {"sources": n_src, "tokens": s["batch"] * s["seq_len"], "D": s["n_embd"], "dtype": str(dtype),
-           "bandwidth_bytes_per_s": bandwidth, "floor_s": floors, "kernels": {}}
-    for kernel in kernels:
-        def fwd(kernel=kernel):
-            with torch.no_grad():
-                depth_attention(sources, query, gain, kernel=kernel)
 
-        def fwd_bwd(kernel=kernel):
-            h, _ = depth_attention(sources, query, gain, kernel=kernel)
-            h.backward(dh)
+    def floor(arm: str) -> dict:
+        return {mode: passes(n_src) * tensor_bytes / bandwidth for mode, passes in OP_PASSES[arm].items()}
+
+    kernels = op_kernels(sources[0])
+    arms = [(k, "") for k in kernels] + ([("cpu", "+norm"), ("cpu", ",norm")] if "cpu" in kernels else [])
+    timer = Timer(dev, args.cpu_time)
+    out = {"sources": n_src, "tokens": s["batch"] * s["seq_len"], "D": s["n_embd"], "dtype": str(dtype),
+           "bandwidth_bytes_per_s": bandwidth, "floor_s": floor(""), "kernels": {}}
+    for kernel, arm in arms:
+        def call(kernel=kernel, arm=arm):
+            h, _ = depth_attention(sources, query, gain, kernel=kernel,
+                                   output_norm_weight=norm_weight if arm == "+norm" else None)
+            return torch.nn.functional.rms_norm(h, h.shape[-1:], norm_weight, 1e-6) if arm == ",norm" else h
+
+        def fwd(call=call):
+            with torch.no_grad():
+                call()
+
+        def fwd_bwd(call=call):
+            call().backward(dh)
 
         reps = 20 if dev.type == "cuda" else 5
         res = interleaved({"forward": fwd, "forward_backward": fwd_bwd}, reps, 3, timer)
-        out["kernels"][kernel] = {
-            mode: {"median_s": r["median_s"], "vs_floor": r["median_s"] / floors[mode]} for mode, r in res.items()
+        floors = floor(arm)
+        out["kernels"][kernel + arm] = {
+            mode: {"median_s": r["median_s"], "min_s": r["min_s"], "floor_s": floors[mode],
+                   "vs_floor": r["median_s"] / floors[mode]} for mode, r in res.items()
         }
-        for x in (*sources, query, gain):
+        for x in (*sources, query, gain, norm_weight):
             x.grad = None
     return out
 
@@ -477,23 +520,27 @@ def report_op_shapes(results: dict) -> None:
         print(f"    {kernel:<7} {r['peak_extra_bytes'] / 1e6:8.0f} MB ({ratio})")
 
 
-def call_traffic(calls: list[tuple[list[int], int, int, int, int]]) -> int:
+def call_traffic(calls: list[tuple[list[int], int, int, int, int, bool]]) -> int:
     """The least bytes a train step's depth-attention calls move (the op's contract, any
-    implementation): `calls` are (each source's storage, K queries, prefixes, row bytes, tokens),
-    in forward order. A row is one (..., D) tensor; statistics (r, z, log-sum-exp, 4 bytes a
-    value) are counted too. Forward reads the n sources and the prefixes and writes K outputs;
-    backward reads the sources, the K cotangents (and with prefixes the outputs), writes the
-    prefixes' gradients, and adds each source's gradient to those of the other calls that read it:
-    written by the first call whose backward runs, read and rewritten by each later one."""
+    implementation): `calls` are (each source's storage, K queries, prefixes, row bytes, tokens,
+    whether the next pre-norm is fused in), in forward order. A row is one (..., D) tensor;
+    statistics (r, z, log-sum-exp, 4 bytes a value) are counted too. Forward reads the n sources
+    and the prefixes and writes K outputs; backward reads the sources, the K cotangents (and with
+    prefixes the outputs), writes the prefixes' gradients, and adds each source's gradient to those
+    of the other calls that read it: written by the first call whose backward runs, read and
+    rewritten by each later one. A call with the pre-norm fused in also writes h forward and reads
+    it backward (2 rows), and takes over the sublayer's own norm, whose 5 rows (forward: read h,
+    write y; backward: read dy and h, write dh) standard's step also moves: it counts 3 rows less."""
     readers: dict[int, int] = {}
     total = 0
-    for sources, K, P, row, m in calls:
+    for sources, K, P, row, m, normed in calls:
         n = len(sources)
         for s in sources:
             readers[s] = readers.get(s, 0) + 1
         stats = (n + K * n + K + P) * m * 4
         total += (n + P + K) * row + stats  # forward
         total += (n + K + 2 * P) * row + stats  # backward, less the source gradients
+        total -= 3 * row if normed else 0
     if not calls:
         return 0
     return total + sum(2 * c - 1 for c in readers.values()) * calls[0][3]  # the sources' gradients
@@ -510,19 +557,19 @@ def depth_traffic(case: Case) -> dict | None:
         from attnres.ops import triton_fused
 
         modules.append(triton_fused)
-    calls: list[tuple[list[int], int, int, int, int]] = []
+    calls: list[tuple[list[int], int, int, int, int, bool]] = []
 
-    def record(sources, queries_rows: int, prefixes: int) -> None:
+    def record(sources, queries_rows: int, prefixes: int, normed: bool = False) -> None:
         v = sources[0]
         calls.append(([s.untyped_storage().data_ptr() for s in sources], queries_rows, prefixes,
-                      v.numel() * v.element_size(), v.numel() // v.shape[-1]))
+                      v.numel() * v.element_size(), v.numel() // v.shape[-1], normed))
 
     originals = [(m, "run_depth_attention", m.run_depth_attention) for m in modules]
     originals.append((torch_fused, "merge_one", torch_fused.merge_one))
 
     def wrap_run(fn):
         def run(sources, r_cache, queries, prefix_h=(), *rest, **kw):
-            record(list(sources), queries.shape[0], len(prefix_h))
+            record(list(sources), queries.shape[0], len(prefix_h), kw.get("out_norm") is not None)
             return fn(sources, r_cache, queries, prefix_h, *rest, **kw)
         return run
 
@@ -578,7 +625,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "kernel": args.kernel, "kernel_resolved": impl,
         "steps": args.steps, "warmup": args.warmup, "modes": args.modes, "python": sys.version.split()[0],
-        "keep_freed_memory": kept,
+        "keep_freed_memory": kept, "clock": "thread CPU time" if args.cpu_time and dev.type == "cpu" else "wall",
     }
     print("bench_residuals:", json.dumps(info), flush=True)
     # stages_done: what the file holds in full; a run cut short (a timeout) leaves the figures of the
@@ -597,12 +644,12 @@ def main(argv: list[str] | None = None) -> dict:
         if args.json:
             print(f"wrote {args.json}")
         return results
-    bandwidth = args.bandwidth or (H200_BANDWIDTH if dev.type == "cuda" else copy_bandwidth(dev))
+    bandwidth = args.bandwidth or (H200_BANDWIDTH if dev.type == "cuda" else copy_bandwidth(dev, args.cpu_time))
     results["op"] = bench_op(args, bandwidth)
     results["stages_done"].append("op")
     save()
     if not args.op_only:
-        timer = Timer(dev)
+        timer = Timer(dev, args.cpu_time)
         cases = {name: Case(name, args) for name in args.strategies}
         results["saved_for_backward_bytes"] = {name: case.saved_bytes() for name, case in cases.items()}
         traffic = {name: depth_traffic(case) for name, case in cases.items()}
@@ -685,8 +732,11 @@ def report(results: dict) -> None:
           f"forward+backward {op['floor_s']['forward_backward'] * 1e6:.1f} us")
     for kernel, r in op["kernels"].items():
         f, fb = r["forward"], r["forward_backward"]
-        print(f"  {kernel:<7} forward {f['median_s'] * 1e6:9.1f} us ({f['vs_floor']:5.2f}x floor)   "
-              f"forward+backward {fb['median_s'] * 1e6:9.1f} us ({fb['vs_floor']:5.2f}x floor)")
+        line = (f"  {kernel:<9} forward {f['median_s'] * 1e6:9.1f} us ({f['vs_floor']:5.2f}x floor)   "
+                f"forward+backward {fb['median_s'] * 1e6:9.1f} us ({fb['vs_floor']:5.2f}x floor)")
+        if "floor_s" in f:  # each arm's own floor (OP_PASSES), in the figures since the fused pre-norm
+            line += f"   floors {f['floor_s'] * 1e6:.1f} / {fb['floor_s'] * 1e6:.1f} us"
+        print(line)
 
 
 def traffic_report(results: dict) -> None:

@@ -35,7 +35,9 @@ def test_bench_writes_every_figure(bench, tmp_path, capsys):
         assert row["peak_train_bytes"] is None  # not measured on CPU
         assert results["saved_for_backward_bytes"][name] > 0
     op = results["op"]
-    assert op["sources"] == 3 and set(op["kernels"]) == {"naive", "torch"} | ({"cpu"} if fast == "cpu" else set())
+    # on the C++ kernel also with the next pre-norm fused in (cpu+norm) and composed after it (cpu,norm)
+    cpu_arms = {"cpu", "cpu+norm", "cpu,norm"} if fast == "cpu" else set()
+    assert op["sources"] == 3 and set(op["kernels"]) == {"naive", "torch"} | cpu_arms
     assert all(r["forward"]["vs_floor"] > 0 for r in op["kernels"].values())
     assert set(results["depth_traffic"]) == {"block", "full"}  # standard makes no depth-attention call
     assert results["cold_stream_bandwidth_bytes_per_s"] > 0
@@ -100,6 +102,29 @@ def test_depth_traffic_counts_each_call_of_a_block_step(bench, kernel):
     s = args.shape
     tokens = s["batch"] * s["seq_len"]
     assert traffic == {"calls": 5, "bytes": 44 * tokens * s["n_embd"] * 4 + 2 * 28 * tokens * 4}
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_depth_traffic_of_a_fused_prenorm_step_takes_over_the_norms(bench):
+    """block-prenorm: the same 5 calls, the first 4 each with a sublayer's pre-norm fused in on the
+    C++ kernel (the output's merge has none): each writes and reads h (2 rows) and spares the
+    sublayer's own norm (5 rows), 3 rows less a call than the 44 of block's step above."""
+    args = bench.parse_args([*TINY.split(), "--device", "cpu"])
+    if resolve_kernel("auto", torch.zeros(1)) != "cpu":
+        pytest.skip("the C++ kernel is not built here")
+    traffic = bench.depth_traffic(bench.Case("block-prenorm", args))
+    s = args.shape
+    tokens = s["batch"] * s["seq_len"]
+    assert traffic == {"calls": 5, "bytes": (44 - 4 * 3) * tokens * s["n_embd"] * 4 + 2 * 28 * tokens * 4}
+
+
+def test_unknown_strategy_is_refused_before_any_work(bench, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--strategies", "standard,block-norm"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--strategies takes a comma-separated subset of standard,block,full,block-prenorm,full-prenorm" in err[-1]
+    assert "block-norm" in err[-1]
 
 
 @pytest.mark.parametrize(("child_exit", "code", "signame"), [(130, 130, "SIGINT"), (-15, 143, "SIGTERM")])
