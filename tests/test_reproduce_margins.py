@@ -88,6 +88,23 @@ def test_the_margin_verdict_is_the_runners_for_the_same_comparison(gaps):
     assert found.words.split(",")[0].split(";")[0] in found.text()
 
 
+def test_held_together_is_the_runners_interval_for_arms_sharing_a_baseline():
+    """compare_arms holds K arms against one baseline at 1 - 0.05 / K: held_with(K) gives its interval and words."""
+    from attnres.results.verdict import compare_arms
+
+    arms = {"block": [-1.3, -0.7, -1.0, -1.6, -0.9], "full": [-1.9, -1.2, -1.5, -1.1, -1.8]}
+    base = [{"seed": s, "status": "finished", "val/loss": 100.0} for s in range(5)]
+    runner = compare_arms([([{"seed": s, "status": "finished", "val/loss": 100.0 + g} for s, g in enumerate(gaps)],
+                            base, name, "standard") for name, gaps in arms.items()], "val/loss")
+    for found, gaps in zip(runner, arms.values(), strict=True):
+        held = MarginVerdict.from_effect(study.Effect(dict(enumerate(gaps)))).held_with(2)
+        assert found.arms == 2 and held.ci == pytest.approx(found.ci, abs=1e-9) and held.words == found.verdict
+    line = verdicts.held_together([(name, MarginVerdict.from_effect(study.Effect(dict(enumerate(g)))))
+                                   for name, g in arms.items()])
+    assert line.startswith("Held together, as a sweep's verdicts hold the 2 comparisons that share one baseline "
+                           "(97.5% intervals, Bonferroni): block: ")
+
+
 def test_the_accuracy_margin_is_one_point_and_the_runners():
     standard, block = [0.40, 0.50, 0.30, 0.45], [0.46, 0.55, 0.37, 0.47]
     gaps = {s: 100 * (b - a) for s, (a, b) in enumerate(zip(standard, block, strict=True))}
@@ -120,6 +137,8 @@ def _without_margins(text):
         at = lines.index(verdicts.MARGIN_DEFINITION)
         assert lines[at + 2].startswith("*In this copy the margin verdicts")
         del lines[at - 1:at + 3]
+    lines = [line for i, line in enumerate(lines) if not line.startswith("Held together")
+             and not (line == "" and i + 1 < len(lines) and lines[i + 1].startswith("Held together"))]
     for line in lines:
         if line.startswith("|") and line.endswith(f" {verdicts.MARGIN_COLUMN} |"):
             line, strip = line[: -len(f" {verdicts.MARGIN_COLUMN} |")], True
@@ -167,9 +186,14 @@ def test_a_rebuild_from_runs_and_the_printed_path_write_the_same_lines():
     assert "| block N=4 vs standard |" in section and "better by at least the margin (80% power at" in section
     printed = verdicts.margins_from_printed(_without_margins(section), 5)[0]
     power = r"80% power at ([\d.]+)% with 5 seeds; the margin needs (\d+) seeds"
-    assert re.sub(power, "POWER", printed) == re.sub(power, "POWER", section)  # all but the power figures
+    held = r"\[([-+][\d.]+), ([-+][\d.]+)\]\.?(?=;|$)"  # the held-together intervals, around the printed mean
+    assert re.sub(held, "HELD", re.sub(power, "POWER", printed), flags=re.M) == \
+        re.sub(held, "HELD", re.sub(power, "POWER", section), flags=re.M)  # all but the power figures
     for (seen, seen_k), (exact, exact_k) in zip(re.findall(power, printed), re.findall(power, section), strict=True):
         assert abs(float(seen) - float(exact)) <= 0.011 and abs(int(seen_k) - int(exact_k)) <= 1  # the rounding
+    assert "Held together, as a sweep's verdicts hold the 2 comparisons" in section
+    for seen, exact in zip(re.findall(held, printed, re.M), re.findall(held, section, re.M), strict=True):
+        assert all(abs(float(a) - float(b)) <= 0.021 for a, b in zip(seen, exact, strict=True))
 
 
 def _fake_tasks(out, values):

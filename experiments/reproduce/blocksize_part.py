@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from study import Effect, Run, job_counts, relative_gap, save
-from verdicts import MARGIN_COLUMN, MarginVerdict, claim, margin_note, verdict
+from verdicts import MARGIN_COLUMN, MarginVerdict, claim, held_together, margin_note, verdict
 
 from attnres.results import figures
 
@@ -44,6 +44,7 @@ def part_blocksize(runs: Sequence[Run], figs: Path) -> tuple[list[str], list[str
         word = verdict(gaps[s], [paper[s]])
         text.append(f"| {s} | {name} | {paper[s]:+.2f} ({FIGURE6[s]:.3f}) | {gaps[s].text()} | {word} | "
                     f"{MarginVerdict.from_effect(gaps[s]).text()} |")
+    text += ["", held_together([(f"S = {s}", MarginVerdict.from_effect(gaps[s])) for s in BLOCK_OF_S])]
     # the trend: per seed, the slope of the gap over log2 S (percent per doubling of S)
     seeds = sorted(set.intersection(*(set(g.per_seed) for g in gaps.values())))
     xs = [math.log2(s) for s in BLOCK_OF_S]

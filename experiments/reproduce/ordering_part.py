@@ -14,7 +14,17 @@ from pathlib import Path
 
 import numpy as np
 from study import PAPER_GAPS, Effect, Run, finished, job_counts, means_table, paper_range, relative_gap, save
-from verdicts import CONTRADICTED, MARGIN_COLUMN, NOT_RESOLVED, REPRODUCED, MarginVerdict, claim, margin_note, verdict
+from verdicts import (
+    CONTRADICTED,
+    MARGIN_COLUMN,
+    NOT_RESOLVED,
+    REPRODUCED,
+    MarginVerdict,
+    claim,
+    held_together,
+    margin_note,
+    verdict,
+)
 
 from attnres.results import figures
 
@@ -32,7 +42,7 @@ def part_ordering(runs: Sequence[Run]) -> tuple[list[str], list[str]]:
             "fewer parameters and 10,000 times fewer tokens.", "",
             "| comparison | paper, Table 2 (5 sizes, % of baseline loss) | ours (% of baseline val/loss, mean "
             f"[95% CI], 5 seeds) | seeds favouring | verdict | {MARGIN_COLUMN} |", "|---|---|---|---|---|---|"]
-    claims = []
+    claims, shared = [], []
     for name, candidate, baseline in rows:
         effect = relative_gap(runs, shape, candidate, baseline)
         paper = PAPER_GAPS[name]
@@ -40,6 +50,8 @@ def part_ordering(runs: Sequence[Run]) -> tuple[list[str], list[str]]:
         wins = sum(v < 0 for v in effect.per_seed.values())
         label = f"{candidate} vs {baseline}"
         margin = MarginVerdict.from_effect(effect)
+        if baseline == "standard":
+            shared.append((label, margin))
         text.append(f"| {label} | {', '.join(f'{v:+.2f}' for v in paper)} | {effect.text()} | "
                     f"{wins}/{effect.n} | {word} | {margin.text()} |")
         what = {"block": "Block AttnRes (N = 4, S = 4) has a lower loss than the standard residual",
@@ -47,7 +59,8 @@ def part_ordering(runs: Sequence[Run]) -> tuple[list[str], list[str]]:
                 "full vs block": "Full AttnRes has a lower loss than Block AttnRes"}[name]
         claims.append(claim(word, f"{what} (paper, Table 2: {paper_range(paper)} of the baseline's loss; "
                                   f"ours: {effect.text()}, deep shape)") + margin_note(("loss", margin)))
-    text += ["", *means_table(runs, [(shape, "standard"), (shape, "block N=4"), (shape, "full")])]
+    text += ["", held_together(shared), "", *means_table(runs, [(shape, "standard"), (shape, "block N=4"),
+                                                                (shape, "full")])]
     return text, claims
 
 

@@ -80,8 +80,8 @@ MARGIN_DEFINITION = (
     "observed paired spread, and the seeds a margin-sized difference needs. The trend and depth-difference claims, "
     "the magnitudes, the depth attention and the compute multiplier have no margin verdict: the margin is a "
     "difference of loss between two configurations. Each interval is at 95% on its own, as the claims read it; a "
-    "sweep's verdicts hold the K arms that share one baseline together (at 1 - 0.05/K, Holm's p beside), which "
-    "would widen these."
+    "sweep's verdicts hold the K arms that share one baseline together (at 1 - 0.05/K), so sections 1 and 2 also "
+    "give the words at that level (\"Held together\")."
 )
 
 
@@ -148,6 +148,26 @@ class MarginVerdict:
     def describe_margin(self) -> str:
         return MARGIN.describe(self.metric)
 
+    def held_with(self, arms: int) -> MarginVerdict:
+        """The same comparison with its interval at 1 - 0.05 / arms (Bonferroni), as a sweep holds the
+        `arms` comparisons that share one baseline together (attnres.results.verdict.compare_arms)."""
+        from scipy import stats
+
+        if self.ci is None or not self.sd:
+            return self
+        ci = stats.t.interval(1 - ALPHA / arms, self.n - 1, loc=self.mean, scale=self.sd / math.sqrt(self.n))
+        return MarginVerdict(self.metric, self.mean, (float(ci[0]), float(ci[1])), self.sd, self.n)
+
+
+def held_together(named: Sequence[tuple[str, MarginVerdict]]) -> str:
+    """The sentence after a table whose rows share one baseline: each row's words at the level a sweep
+    would hold them together at."""
+    k = len(named)
+    return (f"Held together, as a sweep's verdicts hold the {k} comparisons that share one baseline "
+            f"({100 * (1 - ALPHA / k):.4g}% intervals, Bonferroni): " + "; ".join(
+                f"{name}: {held.words} [{held.ci[0]:+.2f}, {held.ci[1]:+.2f}]"
+                for name, held in ((name, found.held_with(k)) for name, found in named)) + ".")
+
 
 #: the header of a table's margin column, whose cells are MarginVerdict.text()
 MARGIN_COLUMN = f"margin verdict ({100 * MARGIN.share:g}% of the baseline; power)"
@@ -211,10 +231,36 @@ def margins_from_printed(text: str, n: int) -> tuple[str, list[MarginVerdict]]:
                 if MARGIN_COLUMN not in lines[head]:  # the table's header and rule get the column
                     lines[head] += f" {MARGIN_COLUMN} |"
                     lines[head + 1] += "---|"
+    _add_held_together(lines, n)
     head = [i for i, line in enumerate(lines) if line.startswith("**Verdicts.**")]
     if found and head and MARGIN_DEFINITION not in lines:  # the report's verdict paragraph gets the margin's
         lines[head[0] + 1:head[0] + 1] = ["", MARGIN_DEFINITION, "", printed_note(found, date)]
     return "\n".join(lines), found
+
+
+#: the tables whose rows share one baseline (by their header's start), and which rows: sections 1 and 2
+SHARED_BASELINE = {"| comparison | paper, Table 2": " vs standard |", "| S | ours |": " |"}
+
+
+def _add_held_together(lines: list[str], n: int) -> None:
+    for start, rows_with in SHARED_BASELINE.items():
+        head = next((i for i, line in enumerate(lines) if line.startswith(start)), None)
+        if head is None:
+            continue
+        end = head + 2
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        if end + 1 < len(lines) and lines[end + 1].startswith("Held together"):
+            continue
+        named = []
+        for row in lines[head + 2:end]:
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            match = re.search(rf"{NUM}% \[{NUM}, {NUM}\]", row)
+            if rows_with in row and match:
+                name = f"S = {cells[0]}" if start.startswith("| S |") else cells[0]
+                named.append((name, MarginVerdict.from_printed(*map(float, match.groups()), n)))
+        if len(named) > 1:
+            lines[end:end] = ["", held_together(named)]
 
 
 def rounding_effect(found: MarginVerdict, step: float = 0.01) -> tuple[set[str], float, int]:
