@@ -23,8 +23,10 @@ from tests.helpers import REPO
 HERE = REPO / "experiments" / "reproduce"
 sys.path.insert(0, str(HERE))
 report = pytest.importorskip("report")  # experiments/reproduce/report.py (and the modules beside it)
+import blocksize_part  # noqa: E402
 import ordering_part  # noqa: E402
 import records  # noqa: E402
+import shapes_part  # noqa: E402
 import study  # noqa: E402
 import tuned_part  # noqa: E402
 import verdicts  # noqa: E402
@@ -164,26 +166,37 @@ def test_the_committed_report_is_margins_from_printed_of_its_own_numbers():
     assert verdicts.margins_from_printed(committed, report.PRINTED_SEEDS) == (committed, [])
 
 
-def _runs(gaps):
-    """Part ordering's runs at the deep shape: standard at 3.1 + a seed's offset, each arm `gaps` % off it."""
+def _runs(gaps, shape="deep"):
+    """A shape's runs: standard at 3.1 + a seed's offset, each other strategy `gaps` % off it."""
     runs = []
     for seed in range(5):
         base = 3.1 + 0.01 * seed
         for strategy, gap in (("standard", [0.0] * 5), *gaps.items()):
             loss = base * (1 + gap[seed] / 100)
-            runs.append(study.Run("ordering", "deep", strategy, seed, "finished", loss, loss / 1.69, 18000.0,
-                                  4_915_200, 196_000, 154_000, Path(f"/nowhere/{strategy}/{seed}")))
+            runs.append(study.Run("ordering", shape, strategy, seed, "finished", loss, loss / 1.69, 18000.0,
+                                  4_915_200, 196_000, 154_000, Path(f"/nowhere/{shape}/{strategy}/{seed}")))
     return runs
 
 
-def test_a_rebuild_from_runs_and_the_printed_path_write_the_same_lines():
-    """Section 1 from per-seed runs carries margin verdicts; take them out and margins_from_printed puts
+DEEP = {"block N=4": [-1.3, -0.7, -1.0, -1.6, -0.9], "full": [-1.9, -1.2, -1.5, -1.1, -1.8],
+        "block N=8": [-0.2, -0.6, -0.3, -0.5, -0.4], "block N=2": [-0.8, 0.1, -0.4, -1.2, 0.3]}
+SHALLOW = {"block N=2": [0.2, -0.1, 0.15, 0.05, -0.05]}
+SECTIONS = {  # section -> (its table rows with a margin verdict, its claims with one, arms held together, builder)
+    "1-ordering": (3, 3, 2, lambda runs, figs: ordering_part.part_ordering(runs)),
+    "2-blocksize": (4, 1, 4, lambda runs, figs: blocksize_part.part_blocksize(runs, figs)),
+    "3-depth": (2, 2, 0, lambda runs, figs: shapes_part.part_depth(runs)),  # two baselines: deep and shallow
+}
+
+
+@pytest.mark.parametrize("name", SECTIONS)
+def test_a_rebuild_from_runs_and_the_printed_path_write_the_same_lines(name, tmp_path):
+    """A section from per-seed runs carries margin verdicts; take them out and margins_from_printed puts
     the same ones back from the printed numbers."""
-    runs = _runs({"block N=4": [-1.3, -0.7, -1.0, -1.6, -0.9], "full": [-1.9, -1.2, -1.5, -1.1, -1.8]})
-    text, claims = ordering_part.part_ordering(runs)
+    rows, noted, held_arms, build = SECTIONS[name]
+    text, claims = build(_runs(DEEP) + _runs(SHALLOW, "shallow"), tmp_path)
     section = "\n".join(claims + [""] + text)
-    assert section.count("Margin verdict") == 3 and section.count(verdicts.MARGIN_COLUMN) == 1
-    assert "| block N=4 vs standard |" in section and "better by at least the margin (80% power at" in section
+    assert sum(line.startswith("| ") and "; the margin needs" in line for line in text) == rows
+    assert sum(" Margin verdict (0.5% of the baseline): " in line for line in claims) == noted
     printed = verdicts.margins_from_printed(_without_margins(section), 5)[0]
     power = r"80% power at ([\d.]+)% with 5 seeds; the margin needs (\d+) seeds"
     held = r"\[([-+][\d.]+), ([-+][\d.]+)\]\.?(?=;|$)"  # the held-together intervals, around the printed mean
@@ -191,7 +204,8 @@ def test_a_rebuild_from_runs_and_the_printed_path_write_the_same_lines():
         re.sub(held, "HELD", re.sub(power, "POWER", section), flags=re.M)  # all but the power figures
     for (seen, seen_k), (exact, exact_k) in zip(re.findall(power, printed), re.findall(power, section), strict=True):
         assert abs(float(seen) - float(exact)) <= 0.011 and abs(int(seen_k) - int(exact_k)) <= 1  # the rounding
-    assert "Held together, as a sweep's verdicts hold the 2 comparisons" in section
+    assert section.count("Held together") == (held_arms > 0)
+    assert f"Held together, as a sweep's verdicts hold the {held_arms} comparisons" in section or not held_arms
     for seen, exact in zip(re.findall(held, printed, re.M), re.findall(held, section, re.M), strict=True):
         assert all(abs(float(a) - float(b)) <= 0.021 for a, b in zip(seen, exact, strict=True))
 
