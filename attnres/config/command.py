@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attnres.config import on_demand
 from attnres.config.compose import check_jobs, hydra_on, parse_overrides
 from attnres.config.errors import ConfigError
 
@@ -69,6 +70,8 @@ def _check_command_line(argv: list[str], conf_dir: Path) -> None:
     running = args.cfg is None and args.info is None  # --cfg and --info only print
     with hydra_on(conf):
         check_jobs(args.config_name or "config", overrides, multirun, running)
+        if running and not multirun:
+            on_demand.refuse_run_alone(args.config_name or "config", overrides)
 
 
 def parse_arguments(argv: Sequence[str]) -> Any:

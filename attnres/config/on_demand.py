@@ -1,9 +1,11 @@
 """The `seeds:` node of a composed config (seeds on demand, attnres.sweep.on_demand), checked before
-anything runs: each value one line naming the fix."""
+anything runs: each value one line naming the fix; and `seeds.on_demand=true` on a run alone (no -m),
+which has no arms to compare and no looks to take, refused the same way."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from attnres.config.errors import ConfigError
@@ -36,3 +38,17 @@ def check(cfg: Any) -> None:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and 0 < alpha < 0.5):
         raise ConfigError(f"seeds.alpha={alpha} must be a number above 0 and below 0.5 (the design's two-sided "
                           "error rate over all its looks); e.g. seeds.alpha=0.05")
+
+
+def refuse_run_alone(config_name: str, overrides: Sequence[Any]) -> None:
+    """`seeds.on_demand=true` on the command line of a run alone: Hydra would train it on one seed and
+    never read the design, so it is refused, naming -m and what the run alone would do. Runs inside
+    `hydra_on` (attnres.config.compose), after the job's checks: its seed is the composed one."""
+    if not any(o.key_or_group == "seeds.on_demand" and o.value() is True for o in overrides):
+        return
+    from hydra import compose
+
+    seed = compose(config_name, overrides=[o.input_line for o in overrides if not o.is_hydra_override()]).seed
+    raise ConfigError(f"seeds.on_demand=true needs a sweep: add -m and the arms to compare (attnres-run -m "
+                      f"residual=standard,block seeds.on_demand=true); without -m it would train one run on seed "
+                      f"{seed} and read no verdict, so leave seeds.on_demand=true out of a run alone")

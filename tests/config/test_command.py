@@ -182,3 +182,18 @@ def test_user_config_folder(in_tmp):
 # -- validate_config on one composed config --------------------------------------------------------
 
 
+
+
+def test_seeds_on_demand_without_m_is_refused_naming_what_a_run_alone_would_do(in_tmp):
+    """A run alone has no arms and no looks: Hydra trained it on one seed, the design never read."""
+    with pytest.raises(ConfigError) as err:
+        check_command_line([*TINY, "residual=block", "num_blocks=2", "seeds.on_demand=true", "seed=4"], CONF)
+    assert str(err.value) == (
+        "seeds.on_demand=true needs a sweep: add -m and the arms to compare (attnres-run -m residual=standard,block "
+        "seeds.on_demand=true); without -m it would train one run on seed 4 and read no verdict, so leave "
+        "seeds.on_demand=true out of a run alone")
+    with pytest.raises(ConfigError, match="would train one run on seed 0 and read no verdict"):  # the configured seed
+        check_command_line([*TINY, "num_blocks=2", "seeds.on_demand=true"], CONF)
+    for fine in (["-m", *TINY, "residual=standard,block", "num_blocks=2", "seeds.on_demand=true"],
+                 ["--cfg", "job", *TINY, "seeds.on_demand=true"], [*TINY, "num_blocks=2", "seeds.on_demand=false"]):
+        check_command_line(fine, CONF)

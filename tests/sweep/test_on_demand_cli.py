@@ -1,6 +1,6 @@
 """Seeds on demand through `attnres-run` (marked slow: they train tiny runs): a plain sweep's looks on
-the parallel launcher, a bad setting refused in one line before anything runs, and (marked slurm,
-skipped where no cluster answers) the looks through a real SLURM cluster."""
+the parallel launcher, a bad setting and seeds on demand without -m refused in one line before anything
+runs, and (marked slurm, skipped where no cluster answers) the looks through a real SLURM cluster."""
 
 from __future__ import annotations
 
@@ -61,6 +61,18 @@ def test_a_bad_setting_is_refused_before_anything_runs(tmp_path):
     assert one_line_error(result) == ("attnres-run: error: seeds.start=2 must be an integer of at least 3 (two seeds "
                                       "barely estimate a spread); e.g. seeds.start=3")
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_seeds_on_demand_without_m_is_refused_before_anything_runs(tmp_path):
+    """Without -m the design was ignored: Hydra trained one run on seed 0 and read no verdict."""
+    result = run_cli("residual=block", "num_blocks=2", *TINY_SWEEP, *DESIGN, "hydra.run.dir=R", cwd=tmp_path,
+                     timeout=300)
+    assert one_line_error(result) == (
+        "attnres-run: error: seeds.on_demand=true needs a sweep: add -m and the arms to compare (attnres-run -m "
+        "residual=standard,block seeds.on_demand=true); without -m it would train one run on seed 0 and read no "
+        "verdict, so leave seeds.on_demand=true out of a run alone")
+    assert not list(tmp_path.iterdir())  # nothing written: no run folder, no outputs/
 
 
 @pytest.mark.slurm
