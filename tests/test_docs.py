@@ -484,7 +484,58 @@ def check(command: Command, folder: Path, monkeypatch, capsys) -> None:
         pytest.fail(f"{command.where}: no rule for `{program}`; add one to tests/test_docs.py")
 
 
-@pytest.mark.parametrize("command", COMMANDS_SHOWN, ids=[c.where for c in COMMANDS_SHOWN])
+#: a shown sweep of this many jobs or more is checked in the slow tier: its check composes every job twice
+#: (check_command_line, then the sweeper's start checks), 1.3 to 12 s for each such sweep on a 2-core
+#: machine; the smaller sweeps shown (up to 6 jobs), plain and tuned, keep the check in the quick tier
+SLOW_SWEEP_JOBS = 9
+
+
+def top_level_values(value: str) -> int:
+    """How many values a sweep override lists: one more than its commas outside brackets and parentheses
+    (`seed=0,1,2` lists 3, `eval.tasks=[a,b]` one)."""
+    depth, count = 0, 1
+    for char in value:
+        if char in "[({":
+            depth += 1
+        elif char in "])}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            count += 1
+    return count
+
+
+def sweep_jobs(command: Command) -> int:
+    """The jobs an `attnres-run -m` command shown sweeps over, counted from its comma lists and its
+    experiment's own sweep (conf/experiment/NAME.yaml's hydra.sweeper.params), without composing; 1
+    for a command that is no sweep."""
+    import yaml
+
+    words = words_of(command)[1]
+    args = words[3:] if words[:3] == ["python", "-m", "attnres"] else words[1:] if words[:1] == ["attnres-run"] else []
+    if "-m" not in args and "--multirun" not in args:
+        return 1
+    swept: dict[str, int] = {}
+    for word in args:
+        key, _, value = word.lstrip("+").partition("=")
+        preset = CONF / "experiment" / f"{value}.yaml"
+        if key == "experiment" and preset.is_file():
+            params = ((yaml.safe_load(preset.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params")
+            swept.update({k: top_level_values(str(v)) for k, v in (params or {}).items()})
+    for word in args:
+        key, equals, value = word.lstrip("+").partition("=")
+        if equals and not key.startswith("hydra."):
+            swept[key] = top_level_values(value)
+    jobs = 1
+    for count in swept.values():
+        jobs *= count
+    return jobs
+
+
+SHOWN = [pytest.param(c, id=c.where, marks=[pytest.mark.slow] if sweep_jobs(c) >= SLOW_SWEEP_JOBS else [])
+         for c in COMMANDS_SHOWN]
+
+
+@pytest.mark.parametrize("command", SHOWN)
 def test_command_shown_in_the_docs_works(command, reader, monkeypatch, capsys):
     check(command, reader, monkeypatch, capsys)
 
