@@ -68,7 +68,6 @@ def count_words(claims: Sequence[str]) -> str:
 # == the margin verdict beside each comparison (docs/sweeps.md#verdicts) ==============================
 MARGIN = Margin()  # the runner's defaults: verdict.margin=0.5% of the baseline, verdict.margin_points=1
 LOSS, ACCURACY = "val/loss", "attnres_pointer/acc"  # the metrics the report compares; which way is better: margin.py
-LEVEL = 1 - ALPHA  # the report's intervals are 95% each, as the claims read them
 MARGIN_DEFINITION = (
     "**Margin verdicts.** Beside each loss comparison (a Block or Full arm against its baseline, as a share of the "
     "baseline's val/loss) stands the verdict the runner gives a sweep (docs/sweeps.md#verdicts), read off the same "
