@@ -202,6 +202,17 @@ def tuned_looks(sweeper: Any, sweep_dir: Path, state: dict[str, Any]) -> None:
     run_looks(sweep_dir, sweeper.config, run, compare)
 
 
+def planned_runs(config: DictConfig, arms: int) -> str | None:
+    """The verdict's runs for a tuned sweep's start line under seeds on demand: the first look's, then
+    the most the design may add (the arms' seeds are known only look by look); None without it."""
+    design = design_of(config)
+    if design is None:
+        return None
+    first, last = next_seeds(design, 0), design["first"] + design["max"] - 1
+    then = (f"then {design['batch']} seed{'s' * (design['batch'] != 1)} a look while a verdict is not resolved, up "
+            f"to {arms * design['max']} runs on seeds {first[0]}-{last}") if last > first[-1] else "no later look"
+    return f"seeds on demand, {arms * len(first)} runs on seeds {', '.join(map(str, first))} first, {then}"
+
 def summary_line(sweep_dir: Path) -> str | None:
     """The sweep's line on where seeds on demand stopped and why (SweepSummary prints it)."""
     record = sequential.read_record(sweep_dir)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.config.errors import ConfigError
 from attnres.results.summary import overrides_by_key
-from attnres.sweep import tuned_proxy
+from attnres.sweep import on_demand, tuned_proxy
 
 #: what a run's metrics.json holds (attnres/training/lit.py logs them); eval.tasks adds <task>/<metric>
 RUN_METRICS = ("val/loss", "val/bpb", "val/accuracy", "train/loss", "train/bpb")
@@ -132,6 +132,8 @@ def announce(sweeper: Any, state: Mapping[str, Any]) -> None:
     """The start line: the arms, the search's and the verdict's runs, and their GPU-hours when priced."""
     groups, arms = state["groups"], state["arms"]
     seeds = sorted({s for a in arms for s in a["seeds"]})
+    verdict_runs = on_demand.planned_runs(sweeper.config, len(arms)) or \
+        f"{sum(len(a['seeds']) for a in arms)} runs on seeds {', '.join(map(str, seeds))}"
     if sweeper.method == "grid":
         per = sweeper.grid["points"] * len(sweeper.tuning_seeds)
         how = (f"{sweeper.grid['points']}-point log grid (factor {sweeper.grid['factor']:g}) of "
@@ -148,7 +150,7 @@ def announce(sweeper: Any, state: Mapping[str, Any]) -> None:
         f"{len(arms)} configurations, {len(groups)} arms"
     print(f"tuned sweep: {what}; search{proxy}: {how}, on tuning seeds "
           f"{', '.join(map(str, sweeper.tuning_seeds))}: {per * len(groups)} runs ({per} per arm); verdict: "
-          f"{sum(len(a['seeds']) for a in arms)} runs on seeds {', '.join(map(str, seeds))}"
+          f"{verdict_runs}"
           + (", and as many at the configured values (untuned=true)" if sweeper.untuned else ""), flush=True)
     hours = _gpu_hours([sweeper.compose(sweeper.trial_overrides(g, {}, sweeper.tuning_seeds[0])) for g in groups])
     if hours is not None:

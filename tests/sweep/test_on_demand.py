@@ -182,6 +182,24 @@ def test_a_tuned_sweep_runs_its_looks_after_the_search(tmp_path):
     assert all(sorted(arm["jobs"], key=int) == ["0", "1", "2"] for arm in sweeper_state(tmp_path)["arms"])
 
 
+@pytest.mark.parametrize("design, verdict", [
+    ([], "verdict: seeds on demand, 6 runs on seeds 0, 1, 2 first, then 2 seeds a look while a verdict is not "
+         "resolved, up to 20 runs on seeds 0-9"),
+    (["seeds.first=5", "seeds.start=4", "seeds.batch=1", "seeds.max=6"],
+     "verdict: seeds on demand, 8 runs on seeds 5, 6, 7, 8 first, then 1 seed a look while a verdict is not "
+     "resolved, up to 12 runs on seeds 5-10"),
+    (["seeds.start=3", "seeds.max=3"], "verdict: seeds on demand, 6 runs on seeds 0, 1, 2 first, no later look"),
+])
+def test_a_tuned_sweeps_start_line_names_the_designs_seeds(tmp_path, capsys, design, verdict):
+    """It said "verdict: 2 runs on seeds 0": the configured seed, which seeds on demand never runs."""
+    from tests.sweep.test_tuned import GRID, make_sweeper
+
+    sweeper = make_sweeper(tmp_path, "seeds.on_demand=true", *design, grid=GRID)
+    jobs = sweeper.jobs_of(["tune=lr", "residual=standard,block", "seeds.on_demand=true", *design])
+    sweeper.start_state(tmp_path / "sweep", jobs)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("tuned sweep: "))
+    assert line.endswith(verdict), line
+
 def sweeper_state(tmp_path):
     from attnres.results import tuning
 
