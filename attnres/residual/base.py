@@ -230,8 +230,9 @@ class DepthAttentionResidual(ResidualStrategy):
     one_pass_tokens: int = 0
     #: whether the two-phase path hands a sublayer its input already through the sublayer's own
     #: pre-norm, fused into the depth mix on the C++ kernel (`prenorm_of`); set it on an instance.
-    #: Off by default: at the CPU studies' widths it saved nothing measurable (experiments/BENCHMARKS.md,
-    #: "Narrow models")
+    #: Off by default: at 12 x 32 on a loaded machine a Block step was 3% to 8% cheaper, Full's no
+    #: cheaper beyond the noise (experiments/BENCHMARKS.md, "The next pre-norm fused"), and a
+    #: second-order gradient through a fused merge is refused
     fuse_prenorm: bool = False
 
     def __init__(
