@@ -1,8 +1,11 @@
 """The routing probes at the end of training.
 
-`HParamsSummary` writes the run's hyperparameters for TensorBoard's HParams tab; the metric
-columns are the last values of the listed scalar tags that this run's data produces (the
-final validation, once `attnres-run` has run it).
+`RoutingProbes` (off unless `enabled`) runs the causal routing probes of `attnres.probes` once
+at the end of training, on the first `batches` validation batches: source knock-outs (a
+knock-out heatmap beside the mass heatmap, and their per-sublayer rank correlation
+[probe/routing]) and layer knock-outs [probe/layer_knockout], their raw arrays beside them
+[probe/routing_data, probe/layer_knockout_data], `probes.json` in the run folder and PNGs in
+its `plots/` (`write_probes`, shared with `attnres-probe`, attnres/training/probe_runs.py).
 """
 
 
