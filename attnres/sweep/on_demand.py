@@ -213,6 +213,7 @@ def planned_runs(config: DictConfig, arms: int) -> str | None:
             f"to {arms * design['max']} runs on seeds {first[0]}-{last}") if last > first[-1] else "no later look"
     return f"seeds on demand, {arms * len(first)} runs on seeds {', '.join(map(str, first))} first, {then}"
 
+
 def summary_line(sweep_dir: Path) -> str | None:
     """The sweep's line on where seeds on demand stopped and why (SweepSummary prints it)."""
     record = sequential.read_record(sweep_dir)
