@@ -98,6 +98,21 @@ class FakeJob:
             self.paths.result_pickle.write_bytes(cloudpickle.dumps(outcome))
 
 
+class SleeplessClock:
+    """attnres.sweep.slurm's clock here: a sleep moves it on at once, so the wait for a result file that
+    never comes (2 s for a job that ended as cancelled, timed out, preempted, out of memory or lost)
+    runs its loop without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def job_config(tmp_path: Path) -> OmegaConf:
     return OmegaConf.create({
         "seed": 0, "trainer": {"accelerator": "cpu"},
@@ -123,6 +138,7 @@ def job_config(tmp_path: Path) -> OmegaConf:
 def test_a_job_that_ended_without_saying_how_gets_a_status(tmp_path, monkeypatch, state, started, outcome, status,
                                                           words):
     monkeypatch.setattr(slurm, "RESULT_WAIT_S", 0)
+    monkeypatch.setattr(slurm, "time", SleeplessClock())
     run = tmp_path / "seed=0"
     if started:  # an interrupted run: its metrics stay, its status is replaced
         run.mkdir()
