@@ -184,3 +184,43 @@ def test_the_part_splices_its_section_into_the_report_and_keeps_the_rest(tmp_pat
     assert text.index(f"## {depth_part.TITLE}") < text.index("## Not run at this scale")
     head = before.split("## Not run at this scale")[0]
     assert text.startswith(head.split("| tasks |")[0])  # the verdicts and the rows above kept as written
+
+
+def test_the_section_is_kept_as_a_record_and_rebuilt_from_it_without_the_runs(tmp_path):
+    import shutil
+
+    std = {0: 3.00, 1: 3.02, 2: 2.98}
+    losses = {("standard", 8): std, ("block", 8): {0: 2.95, 1: 2.99, 2: 2.94},
+              ("standard", 24): std, ("block", 24): {0: 2.90, 1: 2.93, 2: 2.89}}
+    _fake_sweep(tmp_path / "runs", losses, {k: 0.012 for k in losses})
+    kept = tmp_path / "results"
+    text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs", record=kept)
+    saved = json.loads((kept / "depth_tuned.json").read_text())
+    assert {(r["residual"], r["depth"], r["seed"]) for r in saved["runs"] if r["stage"] == "verdict"} == \
+        {(a, f"L{L}", s) for (a, L) in losses for s in (0, 1, 2)}
+    shutil.rmtree(tmp_path / "runs")  # another machine: the record alone
+    again, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs2", record=kept)
+    rows = [r for r in text if r.startswith("| 8 |") or r.startswith("| 24 |")]
+    assert rows and rows == [r for r in again if r.startswith("| 8 |") or r.startswith("| 24 |")]
+    assert "Built from results/depth_tuned.json" in again[0] and "Built from" not in text[0]
+    assert depth_part.section(tmp_path / "runs", tmp_path / "figs3")[0][0].startswith("Not run yet")  # no record given
+
+
+def test_seeds_on_demand_give_the_designs_repeated_interval(tmp_path):
+    from attnres.results import sequential
+
+    std = {0: 3.00, 1: 3.02, 2: 2.98, 3: 3.01}
+    block = {0: 2.95, 1: 2.99, 2: 2.94, 3: 2.97}
+    _fake_sweep(tmp_path / "runs", {("standard", 8): std, ("block", 8): block}, {("standard", 8): 0.012,
+                                                                                 ("block", 8): 0.012})
+    design = {"design": {"first": 0, "start": 3, "batch": 1, "max": 4, "alpha": 0.05}, "looks": [[0, 1, 2], [3]],
+              "final": True}
+    (tmp_path / "runs" / depth_part.FOLDER / sequential.RECORD).write_text(json.dumps(design))
+    text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs")
+    d = {s: 100 * (block[s] - std[s]) / std[s] for s in std}
+    low, high = sequential.repeated_interval(d, design["looks"], 4, 0.05, True)
+    row = next(r for r in text if r.startswith("| 8 |"))
+    assert f"[{low:+.2f}, {high:+.2f}]" in row, row
+    plain = stats.t.ppf(0.975, 3) * statistics.stdev(d.values()) / math.sqrt(4)
+    assert high - low > 2 * plain  # wider than the fixed-n interval a naive look would print
+    assert "repeated interval" in text[0] and "looks: 0, 1, 2; 3" in text[0]

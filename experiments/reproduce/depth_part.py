@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import records
 from scipy import stats
 
 from attnres.atomic import read_json
-from attnres.results import tuning
+from attnres.results import sequential, tuning
 from attnres.results.verdict import few_seeds, margin_verdict
 
 FOLDER = "depth_tuned"
@@ -45,7 +46,12 @@ class Gap:
     arm: str
     sublayers: int
     per_seed: dict[int, float]
-    level: float  # the interval's confidence
+    arms: int = 1  # the arms that share this depth's standard: each interval at 1 - 0.05 / arms (Bonferroni)
+    design: Mapping[str, Any] | None = None  # seeds on demand (<sweep>/seeds.json): its design, looks and final
+
+    @property
+    def level(self) -> float:
+        return 1 - 0.05 / self.arms
 
     @property
     def mean(self) -> float:
@@ -53,9 +59,15 @@ class Gap:
 
     @property
     def ci(self) -> tuple[float, float] | None:
+        """The paired t interval; with seeds on demand, the design's repeated interval at the look the
+        sweep reached (valid whichever look it stopped at: attnres.results.sequential), at alpha / arms."""
         n = len(self.per_seed)
         if n < 2:
             return None
+        if self.design and self.design.get("design"):
+            plan = self.design["design"]
+            return sequential.repeated_interval(self.per_seed, self.design.get("looks", []), int(plan["max"]),
+                                                float(plan["alpha"]) / self.arms, bool(self.design.get("final")))
         half = stats.t.ppf(1 - (1 - self.level) / 2, n - 1) * statistics.stdev(self.per_seed.values()) / math.sqrt(n)
         return self.mean - half, self.mean + half
 
@@ -94,15 +106,65 @@ def read_arms(sweep: Path) -> dict[tuple[str, int], dict[str, Any]]:
             metrics = read_json(sweep / job / "metrics.json")
             if metrics.get("status") == "finished" and isinstance(metrics.get("metrics", {}).get("val/loss"), float):
                 runs[int(seed)] = metrics
-        found[residual, int(depth.lstrip("L"))] = {
+        found[residual, _sublayers(depth)] = {
             "lr": (group.get("chosen_values") or {}).get("optim.optimizer.lr"), "edge": group.get("edge"),
             "runs": runs, "seeds": len(arm.get("jobs", {}))}
     return found
 
 
-def gaps(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> dict[tuple[str, int], Gap]:
+def _sublayers(depth: Any) -> int:
+    return int(str(depth).lstrip("L"))
+
+
+def record_rows(sweep: Path) -> list[dict[str, Any]]:
+    """Every run of the sweep as results/depth_tuned.json keeps it: each search trial (its lr, tuning
+    seed and val/loss) and each verdict run (its arm's chosen lr, seed, val/loss, tokens and rate)."""
+    state = tuning.read_state(sweep)
+    groups = {g["label"]: g for g in state.get("groups", [])}
+    rows: list[dict[str, Any]] = []
+    for group in groups.values():
+        overrides = group.get("overrides", [])
+        residual, depth = _override(overrides, "residual"), _override(overrides, "depth")
+        for trial in group.get("trials", []):
+            rows.append({"stage": "search", "residual": residual, "depth": depth, "seed": trial.get("seed"),
+                         "lr": (trial.get("values") or {}).get("optim.optimizer.lr"), "status": trial.get("status"),
+                         "val/loss": trial.get("value"), "job": trial.get("job")})
+    for arm in state.get("arms", []):
+        residual, depth = _override(arm["overrides"], "residual"), _override(arm["overrides"], "depth")
+        group = groups.get(arm.get("group", arm["label"]), {})
+        for seed, job in arm.get("jobs", {}).items():
+            found = read_json(sweep / job / "metrics.json")
+            rows.append({"stage": "verdict", "residual": residual, "depth": depth, "seed": int(seed),
+                         "lr": (group.get("chosen_values") or {}).get("optim.optimizer.lr"), "edge": group.get("edge"),
+                         "status": found.get("status", "unfinished"),
+                         "val/loss": (found.get("metrics") or {}).get("val/loss"),
+                         "tokens_seen": found.get("tokens_seen"),
+                         "non_embedding_parameters": found.get("non_embedding_parameters"),
+                         "tokens_per_sec_after_warmup": found.get("tokens_per_sec_after_warmup"), "job": job})
+    return rows
+
+
+def arms_from_record(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """read_arms' answer rebuilt from results/depth_tuned.json's verdict rows (no runs on this machine)."""
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        if row.get("stage") != "verdict" or row.get("residual") is None or row.get("depth") is None:
+            continue
+        arm = found.setdefault((row["residual"], _sublayers(row["depth"])),
+                               {"lr": row.get("lr"), "edge": row.get("edge"), "runs": {}, "seeds": 0})
+        arm["seeds"] += 1
+        loss = row.get("val/loss")
+        if row.get("status") == "finished" and isinstance(loss, float) and math.isfinite(loss):
+            arm["runs"][int(row["seed"])] = {"status": "finished", "metrics": {"val/loss": loss},
+                                             "tokens_seen": row.get("tokens_seen"),
+                                             "non_embedding_parameters": row.get("non_embedding_parameters")}
+    return found
+
+
+def gaps(arms: Mapping[tuple[str, int], Mapping[str, Any]],
+         design: Mapping[str, Any] | None = None) -> dict[tuple[str, int], Gap]:
     """Each non-standard arm against the standard at the same depth, paired by seed; the intervals of
-    one depth hold together (1 - 0.05 / K for its K arms)."""
+    one depth hold together (1 - 0.05 / K for its K arms); `design`: the sweep's seeds.json."""
     out = {}
     for depth in sorted({d for _, d in arms}):
         base = arms.get((BASELINE, depth), {}).get("runs", {})
@@ -112,7 +174,7 @@ def gaps(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> dict[tuple[str, i
             seeds = sorted(set(mine) & set(base))
             loss = {s: (mine[s]["metrics"]["val/loss"], base[s]["metrics"]["val/loss"]) for s in seeds}
             out[arm, depth] = Gap(arm, depth, {s: 100 * (a - b) / b for s, (a, b) in loss.items()},
-                                  1 - 0.05 / max(1, len(others)))
+                                  max(1, len(others)), design or None)
     return out
 
 
@@ -165,13 +227,24 @@ def _default_save(fig: Any, path: Path) -> str:
     return path.as_posix()
 
 
-def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = None) -> tuple[list[str], list[str]]:
+def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = None,
+            record: Path | None = None) -> tuple[list[str], list[str]]:
     """The section's text and its claim lines (none: this part answers questions of its own, not
-    one of the paper's claims), from `out / depth_tuned`."""
-    arms = read_arms(out / FOLDER)
+    one of the paper's claims), from `out / depth_tuned`. With `record` (report.py: results/ beside
+    REPORT.md), the runs found are kept in `record/depth_tuned.json`, and where there are none (another
+    machine trained them) the section is built from that record instead."""
+    sweep = out / FOLDER
+    arms, design, source = read_arms(sweep), sequential.read_record(sweep), ""
+    if arms and record is not None:
+        records.write_record(record, FOLDER, record_rows(sweep), f"runs/{FOLDER}", {"seeds": design})
+    elif not arms and record is not None and (record / f"{FOLDER}.json").is_file():
+        saved = read_json(record / f"{FOLDER}.json")
+        arms, design = arms_from_record(saved.get("runs", [])), (saved.get("extra") or {}).get("seeds") or {}
+        source = (f" Built from {record.name}/{FOLDER}.json, the per-run record of {saved.get('source')} "
+                  f"(written {saved.get('written')}), not from the runs themselves.")
     if not arms:
         return [f"Not run yet: `{RUN}`."], []
-    found = gaps(arms)
+    found = gaps(arms, design)
     depths = sorted({d for _, d in arms})
     text = ["Standard, Block AttnRes (N = 8 at every depth, as the paper sets it; at 8 sublayers that is Full "
             "AttnRes) and the controls of docs/strategies.md#controls, at 8, 24 and 48 sublayers of width 40 "
@@ -179,7 +252,11 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
             "at each depth tuned its own lr on a 3-point grid (factor 2 around 0.012, grown at an edge) on tuning "
             "seeds 1000 and 1001, then ran the verdict seeds at its choice. Gaps: arm minus standard, both at "
             f"their best, as a share of the standard's val/loss, paired by seed; the intervals of a depth hold "
-            f"together (Bonferroni over its arms); the margin is {MARGIN_PCT}% (docs/sweeps.md#verdicts).", "",
+            f"together (Bonferroni over its arms); the margin is {MARGIN_PCT}% (docs/sweeps.md#verdicts)."
+            + (f" The seeds came on demand ({sequential.describe(design['design'])}; looks: "
+               f"{'; '.join(', '.join(map(str, look)) for look in design.get('looks', []))}), so each interval is the "
+               "design's repeated interval, valid whichever look the sweep stopped at." if design.get("design") else "")
+            + source, "",
             "| sublayers | tokens per parameter | arm | chosen lr (standard's) | gap [interval] | verdict | seeds |",
             "|---|---|---|---|---|---|---|"]
     for depth in depths:

@@ -23,15 +23,17 @@ FOLDER = "results"  # beside REPORT.md
 VERSION = 1
 
 
-def write_record(folder: Path, part: str, runs: Sequence[Mapping[str, Any]], source: str) -> Path:
+def write_record(folder: Path, part: str, runs: Sequence[Mapping[str, Any]], source: str,
+                 extra: Mapping[str, Any] | None = None) -> Path:
     """`folder/<part>.json`: one mapping per run (JSON values: the keys that name its configuration,
     `seed`, `status` and its metrics by name), sorted so that a rebuild's diff shows only what changed,
-    written atomically; `source` says which runs folder it came from."""
+    written atomically; `source` says which runs folder it came from; `extra`: what else the part's
+    section reads (depth_tuned: the sweep's seeds.json), kept as given."""
     rows = sorted((dict(r) for r in runs), key=lambda r: json.dumps(r, sort_keys=True, default=str))
     path = folder / f"{part}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {"part": part, "version": VERSION, "source": source, "written": time.strftime("%Y-%m-%d"),
-                      "runs": rows})
+                      "runs": rows, **({"extra": dict(extra)} if extra else {})})
     return path
 
 

@@ -132,7 +132,7 @@ DEPTH_ROW = ("| depth_tuned | standard, Block N=8, depth_scaled, block_static at
 
 def splice_depth_tuned(out: Path) -> Path:
     """Update REPORT.md's depth section alone (depth_part.py), as splice_tuned does the tuned one."""
-    text, claims = depth_part.section(out, HERE / "figures", save)
+    text, claims = depth_part.section(out, HERE / "figures", save, HERE / records.FOLDER)
     # "\x00": no claim line of its own to replace (the section answers questions, not a paper claim)
     return splice(depth_part.TITLE, text, claims, "\x00", "depth_tuned",
                   DEPTH_ROW.format(_wall(read_json(out / "state.json"), "depth_tuned")), "runs/depth_tuned")
@@ -237,7 +237,7 @@ def write_report(out: Path) -> Path:
         ("6. The compute multiplier (Table 2's fits)", lambda: ladder_part.part_ladder(out, runs, figs)),
         (TUNED_TITLE, lambda: tuned_section(out, runs, figs)),
         (TASKS_TITLE, lambda: tasks_section(out, figs)),
-        (depth_part.TITLE, lambda: depth_part.section(out, figs, save)),
+        (depth_part.TITLE, lambda: depth_part.section(out, figs, save, HERE / records.FOLDER)),
     ]
     body, claims = [], []
     for title, build in sections:
