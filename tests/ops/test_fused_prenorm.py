@@ -181,3 +181,26 @@ def test_double_backward_through_a_fused_phase1_is_right():
         return tuple(outs)
 
     assert torch.autograd.gradgradcheck(f, leaves, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,kw", [(BlockAttentionResidual, {"num_blocks": 2}), (FullAttentionResidual, {})],
+                         ids=["block2", "full"])
+def test_fused_prenorm_under_torch_compile_matches_eager(strategy, kw, rel_err):
+    """torch.compile(fullgraph=True) traces the fused calls (the C++ ops' fake shapes, the hook
+    checks) and gives eager's loss and gradients."""
+    assert cpu_fused.available(), cpu_fused.load_error()
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=40, n_layer=2, n_head=2, n_embd=16, block_size=8,
+                        residual=functools.partial(strategy, kernel="auto", **kw))
+    with torch.no_grad():
+        model.residual.pseudo_query.normal_(0.0, 0.5)
+    model.residual.fuse_prenorm = True
+    idx = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    want = model(idx, targets=idx)["loss"]
+    want_grads = torch.autograd.grad(want, params)
+    got = torch.compile(model, fullgraph=True)(idx, targets=idx)["loss"]
+    assert rel_err(got.detach(), want.detach()) < 1e-5
+    for g, w in zip(torch.autograd.grad(got, params), want_grads, strict=True):
+        assert rel_err(g, w) < 1e-4
