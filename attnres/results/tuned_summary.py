@@ -79,7 +79,10 @@ def choice_line(group: Mapping[str, Any], state: Mapping[str, Any]) -> str:
                if state.get("signature", {}).get("method") == "grid" else "widen hydra.sweeper.optuna.space")
         which = f" ({group['edge_key']})" if group.get("edge_key") else ""
         text += f"; STILL AT THE SEARCH'S {where}{which}: the best value may lie beyond it ({fix})"
-    failed = sum(1 for t in group.get("trials", []) if t.get("status") != "finished")
+    failed = sum(1 for t in group.get("trials", []) if t.get("status") not in ("finished", "pruned"))
+    pruned = sum(1 for t in group.get("trials", []) if t.get("status") == "pruned")
+    if pruned:
+        text += f"; {pruned} trial{'s' * (pruned != 1)} stopped at a rung (successive halving)"
     if failed:
         text += f"; {failed} trial{'s' * (failed != 1)} diverged or failed (scored as the worst)"
     return text
@@ -198,6 +201,9 @@ def _trials_table(state: Mapping[str, Any]) -> list[str]:
 def _cell(trial: Mapping[str, Any] | None) -> str:
     if trial is None:
         return ""
+    if trial.get("status") == "pruned":  # successive halving: its value at the rung it stopped at
+        at = trial.get("pruned_at")
+        return f"pruned at step {at}: {_fmt((trial.get('rungs') or {}).get(str(at)))}"
     return _fmt(trial.get("value")) if trial.get("status") == "finished" else str(trial.get("status"))
 
 

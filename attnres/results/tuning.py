@@ -20,7 +20,7 @@ from attnres.atomic import read_json, write_json
 TUNING_DIR = "tuning"  # in the sweep folder: the trials' run folders, tuning.json, optuna.db
 STATE = "tuning.json"
 #: the sweeper's settings that define a search: a resume with any of them changed is refused
-SEARCH_FIELDS = ("method", "metric", "tuning_seeds", "grid", "optuna", "proxy", "baseline")
+SEARCH_FIELDS = ("method", "metric", "tuning_seeds", "grid", "optuna", "proxy", "baseline", "prune")
 
 
 def state_path(sweep_dir: Path) -> Path:
@@ -155,7 +155,8 @@ def budget_check(arms: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
     initial = {a["label"]: a.get("initial_trials") for a in arms}
     tokens = {a["label"]: a.get("tokens_per_trial") for a in arms}
     trials = {a["label"]: len(a.get("trials", [])) for a in arms}
-    same_search = len(set(initial.values())) == 1
+    rungs = {a["label"]: _rungs(a) for a in arms}
+    same_search = len(set(initial.values())) == 1 and len(set(rungs.values())) == 1
     same_tokens = len({t for t in tokens.values()}) == 1
     first = arms[0]
     size = first.get("initial_trials")
@@ -166,6 +167,21 @@ def budget_check(arms: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
         grown = [f"{label} {n}" for label, n in trials.items() if n != size]
         if grown:
             text += f"; grown at an edge to {', '.join(grown)} trials"
+        if rungs[first["label"]] != "unpruned":
+            steps = ", ".join(f"{label} {a['trained_steps']:,}" for a in arms if (label := a["label"])
+                              and isinstance(a.get("trained_steps"), int))
+            text += f"; pruned at the same rungs, equal across arms: {rungs[first['label']]}" + \
+                (f" (training steps trained: {steps})" if steps else "")
         return True, text
-    parts = [f"{label}: {initial[label]} trials of {tokens[label]} tokens" for label in initial]
+    parts = [f"{label}: {initial[label]} trials of {tokens[label]} tokens, {rungs[label]}" for label in initial]
     return False, "NOT equal across arms (" + "; ".join(parts) + ")"
+
+
+def _rungs(group: Mapping[str, Any]) -> str:
+    """A search's successive-halving rungs in words (tuned_halving.py), "unpruned" without them."""
+    prune, steps = group.get("prune") or {}, group.get("rung_steps") or []
+    if not prune.get("rungs"):
+        return "unpruned"
+    at = ", ".join(f"{r:g}" for r in prune["rungs"])
+    return (f"rungs at {at} of the steps (steps {', '.join(map(str, steps[:-1]))} of {steps[-1] if steps else '?'}), "
+            f"keeping {prune.get('keep'):g} of the points at each")

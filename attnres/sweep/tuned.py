@@ -39,7 +39,7 @@ from attnres.config.errors import ConfigError, user_errors
 from attnres.config.rules import BOOL
 from attnres.results import tuning
 from attnres.results.summary import config_labels, overrides_by_key
-from attnres.sweep import on_demand, plan, stopping, tuned_proxy, tuned_start
+from attnres.sweep import on_demand, plan, stopping, tuned_halving, tuned_proxy, tuned_start
 from attnres.sweep.tuned_start import job_seeds, override_key
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,10 @@ class TunedSweeper(Sweeper):
     def __init__(self, method: str = "grid", tuning_seeds: Sequence[int] = (1000, 1001), metric: str = "val/loss",
                  grid: Mapping[str, Any] | None = None, optuna: Mapping[str, Any] | None = None,
                  baseline: str | None = None, proxy: Mapping[str, Any] | None = None, untuned: bool = False,
-                 params: Mapping[str, str] | None = None) -> None:
+                 params: Mapping[str, str] | None = None, prune: Mapping[str, Any] | None = None) -> None:
         super().__init__()
-        grid, optuna, proxy, params, tuning_seeds = (_plain(x) for x in (grid, optuna, proxy, params, tuning_seeds))
+        grid, optuna, proxy, params, tuning_seeds, prune = (_plain(x) for x in (grid, optuna, proxy, params,
+                                                                               tuning_seeds, prune))
         # a bad setting is kept to be refused in check() (one line, exit 2, the sweep folder left as it
         # was): raised here, Hydra would print its instantiation error
         self.problems: list[str] = []
@@ -73,6 +74,7 @@ class TunedSweeper(Sweeper):
                                  "'hydra.sweeper.grid.centre={optim.optimizer.lr:0.001}'")
         self.grid["centre"] = dict(centre) if isinstance(centre, Mapping) else {}
         self.optuna = dict(optuna or {})
+        self.prune = {"rungs": [], "keep": 0.5, **(prune or {})}  # successive halving (tuned_halving.py)
         if isinstance(proxy, (list, tuple)):  # [size=194m]: overrides
             proxy = dict(str(o).split("=", 1) for o in proxy if "=" in str(o))
         self.proxy_settings = tuned_proxy.flatten(proxy)  # with the fractions (tuned_proxy.py), as given
@@ -100,7 +102,8 @@ class TunedSweeper(Sweeper):
         space = self.optuna
         return {"method": self.method, "metric": self.metric, "tuning_seeds": self.tuning_seeds,
                 "grid": grid if self.method == "grid" else None, "optuna": space if self.method == "optuna" else None,
-                "proxy": self.proxy_settings, "baseline": self.baseline}
+                "proxy": self.proxy_settings, "baseline": self.baseline,
+                **({"prune": self.prune} if self.prune["rungs"] else {})}  # unpruned: as sweeps before it
 
     def jobs_of(self, arguments: Sequence[str]) -> list[list[str]]:
         """The command line's jobs (the basic sweeper's cross product). They keep the `tune=` choice:
@@ -185,7 +188,11 @@ class TunedSweeper(Sweeper):
         return None
 
     def run_stages(self, sweep_dir: Path, state: dict[str, Any]) -> None:
-        if self.method == "grid":
+        if self.method == "grid" and self.prune["rungs"]:
+            from attnres.sweep.tuned_halving import halving_search
+
+            done = halving_search(self, sweep_dir, state)
+        elif self.method == "grid":
             from attnres.sweep.tuned_grid import grid_search
 
             done = grid_search(self, sweep_dir, state)
@@ -250,6 +257,9 @@ class TunedSweeper(Sweeper):
                 group["centre"].update(given)
             group["tokens_per_trial"] = _tokens(cfg)
             group["trials"] = []
+            if self.prune["rungs"]:  # the same fractions of every arm's steps
+                group["prune"], group["rung_steps"] = self.prune, tuned_halving.rung_steps(
+                    self.prune["rungs"], int(OmegaConf.select(cfg, "trainer.max_steps")))
             group["initial_trials"] = len(self.tuning_seeds) * (
                 int(self.grid["points"]) if self.method == "grid" else int(self.optuna.get("trials", 12)))
         for i, arm in enumerate(arms.values()):
@@ -265,6 +275,8 @@ class TunedSweeper(Sweeper):
                 (b["label"] for b in arms.values() if b["is_baseline"]
                  and [o for o in b["overrides"] if override_key(o) not in drop] == rest), None)
         tuned_start.check_answerable(self, list(arms.values()), cfg)
+        if resuming and self.prune["rungs"]:  # what a folder that went on past a rung measured there
+            tuned_halving.carry_rungs(before, list(groups.values()))
         state = {"signature": signature, "tuning_seeds": self.tuning_seeds,
                  "groups": list(groups.values()), "arms": list(arms.values()), "stage": "search"}
         if announce:

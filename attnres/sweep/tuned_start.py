@@ -60,6 +60,9 @@ def check(sweeper: Any, jobs: list[list[str]]) -> None:
                 raise ConfigError(f"hydra.sweeper.grid.centre.{key}={value} must be a number above 0 (the "
                                   "value in the grid's middle), e.g. hydra.sweeper.grid.centre={" + key +
                                   ":0.001}")
+    from attnres.sweep.tuned_halving import check_prune
+
+    check_prune(sweeper.prune, sweeper.method)
     if sweeper.method == "optuna":
         from attnres.sweep.tuned_optuna import check_settings
 
@@ -148,8 +151,9 @@ def announce(sweeper: Any, state: Mapping[str, Any]) -> None:
             " (every job then runs under muP with it as its base)"
     what = f"{len(arms)} arm{'s' * (len(arms) != 1)}" if len(arms) == len(groups) else \
         f"{len(arms)} configurations, {len(groups)} arms"
+    share, pruned = _pruned_share(sweeper, groups)
     print(f"tuned sweep: {what}; search{proxy}: {how}, on tuning seeds "
-          f"{', '.join(map(str, sweeper.tuning_seeds))}: {per * len(groups)} runs ({per} per arm); verdict: "
+          f"{', '.join(map(str, sweeper.tuning_seeds))}: {per * len(groups)} runs ({per} per arm){pruned}; verdict: "
           f"{verdict_runs}"
           + (", and as many at the configured values (untuned=true)" if sweeper.untuned else ""), flush=True)
     hours = _gpu_hours([sweeper.compose(sweeper.trial_overrides(g, {}, sweeper.tuning_seeds[0])) for g in groups])
@@ -158,8 +162,27 @@ def announce(sweeper: Any, state: Mapping[str, Any]) -> None:
         full = _gpu_hours([sweeper.compose([*a["overrides"], f"seed={sweeper.tuning_seeds[0]}"]) for a in arms]) \
             if sweeper.proxy_settings else None
         against = f" (the same search at every configuration's full size: {full * per:,.1f})" if full else ""
-        print(f"  about {hours * per:,.1f} GPU-hours of search trials{against} (more if a grid grows), and "
+        print(f"  about {hours * per * share:,.1f} GPU-hours of search trials{against} (more if a grid grows), and "
               f"{verdict or 0:,.1f} GPU-hours of verdict runs (costs.mfu, costs.peak_flops)", flush=True)
+
+
+def _pruned_share(sweeper: Any, groups: Sequence[Mapping[str, Any]]) -> tuple[float, str]:
+    """The share of the unpruned grid's training steps that successive halving trains (at the grid's
+    first size), and the start line's words for it; (1.0, "") unpruned."""
+    from attnres.sweep.tuned_halving import trained_steps
+
+    if not sweeper.prune["rungs"] or not groups:
+        return 1.0, ""
+    points, keep, steps = int(sweeper.grid["points"]), float(sweeper.prune["keep"]), groups[0]["rung_steps"]
+    share = trained_steps(points, steps, keep) / (points * steps[-1])
+    grows = ", up to more if a grid grows" if int(sweeper.grid["max_extend"]) else ""
+    return share, (f", pruned by successive halving at steps {', '.join(map(str, steps[:-1]))} of {steps[-1]} "
+                   f"keeping {keep:g} of the points at each, the same for every arm: the training steps of "
+                   f"{share * per_arm(sweeper):,.1f} full runs per arm ({share:.0%} of the unpruned grid{grows})")
+
+
+def per_arm(sweeper: Any) -> int:
+    return int(sweeper.grid["points"]) * len(sweeper.tuning_seeds)
 
 
 def _gpu_hours(configs: Sequence[DictConfig]) -> float | None:
