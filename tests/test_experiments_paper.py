@@ -198,6 +198,7 @@ def test_cfg_job_shows_a_paper_job(tmp_path):
     assert job.trainer.max_steps == math.ceil(119.0e9 / (432 * CONTEXT)) and job.data.block_size == CONTEXT
 
 
+@pytest.mark.slow  # composes every size's jobs and prints the sweep's start (14 s); the shapes alone stay quick
 def test_paper_scaling_sets_a_job_shape_per_size_and_prints_it(jobs):
     """Issue 34: 8 GPUs (one node) for the three small sizes, 16 (two nodes) for the two large, each
     micro-batch dividing the row's batch over the job's GPUs; the cost lines give GPUs and wall hours."""

@@ -21,7 +21,9 @@ HAS_TRITON = triton_available()
     "shape",
     [
         pytest.param("--d 768 --sublayers 24 --num-blocks 8", id="gpt-small-D768-L24-N8", marks=pytest.mark.slow),
-        pytest.param("--d 1000 --sublayers 6 --num-blocks 3 --dtype float16", id="D1000-L6-N3-f16"),
+        # a whole ptxas compile of every kernel (25 s): integration, so slow like its sibling
+        pytest.param("--d 1000 --sublayers 6 --num-blocks 3 --dtype float16", id="D1000-L6-N3-f16",
+                     marks=pytest.mark.slow),
     ],
 )
 def test_triton_kernels_compile_for_hopper_without_spilling(shape):
