@@ -101,6 +101,7 @@ def test_the_best_ceil_keep_n_go_on_ties_to_the_point_nearer_the_configured_valu
     assert tuned_halving.trained_steps(5, steps, 0.5) == 24
 
 
+@pytest.mark.slow  # a tuned sweep in process, training every trial (integration)
 def test_every_arm_runs_the_same_rungs_and_picks_what_the_unpruned_grid_picks(tmp_path):
     best = {"standard": 0.0, "block": 1.0}
     sweeper, launcher, state = run(tmp_path / "p", best, "residual=standard,block", "seed=0")
@@ -126,6 +127,7 @@ def test_every_arm_runs_the_same_rungs_and_picks_what_the_unpruned_grid_picks(tm
     assert not equal and text.startswith("NOT equal across arms") and "rungs at 0.5 of the steps" in text
 
 
+@pytest.mark.slow  # a tuned sweep in process, training every trial (integration)
 def test_a_grown_point_enters_at_the_first_rung(tmp_path):
     # block's best lies 3 factors up, past the 5-point grid (-2..2): the grid grows up once
     grid = {**GRID, "max_extend": 1}
@@ -140,6 +142,7 @@ def test_a_grown_point_enters_at_the_first_rung(tmp_path):
         assert [(a, b) for name, a, b in launcher.trained if name == job] == [(0, 2), (2, 4), (4, 8)]
 
 
+@pytest.mark.slow  # a tuned sweep in process, training every trial (integration)
 def test_a_killed_pruned_sweep_resumes_without_training_a_step_twice(tmp_path):
     best = {"standard": 0.0, "block": lambda step: 2.0 if step < 4 else 1.0}  # the early best is not the last
     first, killed, _ = run(tmp_path, best, "residual=standard,block", "seed=0", stop_after=1)
