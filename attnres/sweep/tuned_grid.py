@@ -53,27 +53,38 @@ def grid_search(sweeper: Any, sweep_dir: Path, state: dict[str, Any]) -> bool:
             return False
         grew = False
         for group in state["groups"]:
-            means = tuning.point_means(group["trials"], sweeper.tuning_seeds)
-            best = tuning.best_point(means)
-            edge = tuning.grid_edge(best, group["exponents"])
-            for side in ("down", "up"):
-                if edge in (side, "both") and group["extended"][side] < extend:
-                    group["extended"][side] += 1
-                    grew = True
-                    print(f"tuned sweep: {group['label']}'s best {', '.join(group['centre'])} is at the grid's "
-                          f"{'lower' if side == 'down' else 'upper'} edge; the grid grows one point "
-                          f"{side} ({group['extended'][side]} of {extend})", flush=True)
+            best = tuning.best_point(tuning.point_means(group["trials"], sweeper.tuning_seeds))
+            grew = grow_at_edge(group, best, extend) or grew
         if not grew:
             break
     for group in state["groups"]:
-        means = tuning.point_means(group["trials"], sweeper.tuning_seeds)
-        best = tuning.best_point(means)
-        group["means"] = {str(k): m for k, m in means.items()}
-        group["chosen"] = best
-        group["chosen_multiplier"] = None if best is None else factor ** best
-        group["chosen_values"] = None if best is None else \
-            {key: tuning.scaled(v, factor ** best) for key, v in group["centre"].items()}
-        group["chosen_mean"] = None if best is None else means[best]
-        group["edge"] = tuning.grid_edge(best, group["exponents"])
+        record_choice(group, tuning.point_means(group["trials"], sweeper.tuning_seeds), factor)
     tuning.write_state(sweep_dir, state)
     return True
+
+
+def grow_at_edge(group: dict[str, Any], best: Any, extend: int, how: str = "") -> bool:
+    """One point more on each side of the arm's grid where its best lies on the edge (at most `extend`
+    a side), said on the terminal; whether it grew. `how`: what the line adds (the pruned grid's)."""
+    grew = False
+    edge = tuning.grid_edge(best, group["exponents"])
+    for side in ("down", "up"):
+        if edge in (side, "both") and group["extended"][side] < extend:
+            group["extended"][side] += 1
+            grew = True
+            print(f"tuned sweep: {group['label']}'s best {', '.join(group['centre'])} is at the grid's "
+                  f"{'lower' if side == 'down' else 'upper'} edge; the grid grows one point "
+                  f"{side} ({group['extended'][side]} of {extend}){how}", flush=True)
+    return grew
+
+
+def record_choice(group: dict[str, Any], means: dict[Any, float], factor: float) -> None:
+    """The arm's choice, the best of `means` (point -> mean metric), and what the summary reads of it."""
+    best = tuning.best_point(means)
+    group["means"] = {str(k): m for k, m in means.items()}
+    group["chosen"] = best
+    group["chosen_multiplier"] = None if best is None else factor ** best
+    group["chosen_values"] = None if best is None else \
+        {key: tuning.scaled(v, factor ** best) for key, v in group["centre"].items()}
+    group["chosen_mean"] = None if best is None else means[best]
+    group["edge"] = tuning.grid_edge(best, group["exponents"])

@@ -29,6 +29,7 @@ from typing import Any
 from attnres.atomic import read_json
 from attnres.config.errors import ConfigError
 from attnres.results import tuning
+from attnres.sweep.tuned_grid import grow_at_edge, record_choice
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +213,7 @@ def _grow(state: Mapping[str, Any], seeds: Sequence[int], keep: float, extend: i
         values = _values(group)
         _, alive = next_runs(group["exponents"], values, seeds, group["rung_steps"], keep)
         best = tuning.best_point(full_length_means(alive, values, seeds, group["rung_steps"][-1]))
-        edge = tuning.grid_edge(best, group["exponents"])
-        for side in ("down", "up"):
-            if edge in (side, "both") and group["extended"][side] < extend:
-                group["extended"][side] += 1
-                grew = True
-                print(f"tuned sweep: {group['label']}'s best {', '.join(group['centre'])} is at the grid's "
-                      f"{'lower' if side == 'down' else 'upper'} edge; the grid grows one point {side} "
-                      f"({group['extended'][side]} of {extend}), entering at the first rung", flush=True)
+        grew = grow_at_edge(group, best, extend, ", entering at the first rung") or grew
     return grew
 
 
@@ -227,16 +221,9 @@ def _choose(group: dict[str, Any], seeds: Sequence[int], keep: float, factor: fl
     values, last = _values(group), group["rung_steps"][-1]
     _, alive = next_runs(group["exponents"], values, seeds, group["rung_steps"], keep)
     means = full_length_means(alive, values, seeds, last)
-    best = tuning.best_point(means)
     for trial in group["trials"]:  # stopped at a rung: no full-length value (figures and means leave it out)
         if str(last) not in trial["rungs"]:
             reached = max(map(int, trial["rungs"]), default=0)
             trial.update(status="pruned", pruned_at=reached, value=None)
-    group["means"] = {str(k): m for k, m in means.items()}
-    group["chosen"] = best
-    group["chosen_multiplier"] = None if best is None else factor ** best
-    group["chosen_values"] = None if best is None else \
-        {key: tuning.scaled(v, factor ** best) for key, v in group["centre"].items()}
-    group["chosen_mean"] = None if best is None else means[best]
-    group["edge"] = tuning.grid_edge(best, group["exponents"])
+    record_choice(group, means, factor)
     group["trained_steps"] = sum(max(map(int, t["rungs"]), default=0) for t in group["trials"])
