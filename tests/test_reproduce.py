@@ -21,6 +21,7 @@ from tests.helpers import REPO, cli_env
 HERE = REPO / "experiments" / "reproduce"
 sys.path.insert(0, str(HERE))
 report = pytest.importorskip("report")  # experiments/reproduce/report.py
+run = pytest.importorskip("run")  # experiments/reproduce/run.py
 VOCAB = 1024
 TOKENS_PER_STEP = 16 * 128
 
@@ -91,7 +92,7 @@ def test_run_py_refuses_an_unknown_part_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 2
     assert ran.stderr.strip() == ("run.py: unknown part shapes; choose from prepare, ordering, blocksize, depth, "
-                                  "tuned, ladder, tasks, depth_tuned")
+                                  "tuned, tuned_seeds, ladder, tasks, depth_tuned")
 
 
 def _fake_tasks_runs(out, values):
@@ -304,3 +305,27 @@ sys.exit(code)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert (tmp_path / "started").read_text() == "ordering"
+
+
+@pytest.fixture(scope="module")
+def token_folder(tmp_path_factory):
+    """A small token folder in place of part prepare's tokenized stdlib (its vocabulary, 1,024)."""
+    from attnres.data.prepare import main as prepare
+
+    folder = tmp_path_factory.mktemp("tokens")
+    words = "the quick brown fox jumps over a lazy dog def return import class while".split()
+    text = "\n".join(" ".join(words[(j + k) % len(words)] for k in range(10)) + f" {j}" for j in range(3000))
+    (folder / "corpus.txt").write_text(text + "\n")
+    prepare([str(folder / "corpus.txt"), str(folder / "stdlib-1k"), "--vocab-size", str(VOCAB), "--workers", "1"])
+    return folder / "stdlib-1k"
+
+
+@pytest.mark.parametrize("part", [p.name for p in run.PARTS if p.sweeps])
+def test_every_parts_sweep_composes_and_passes_the_runners_checks(part, token_folder):
+    """A part whose command line the runner would refuse (a typo in a key, a bad value) fails here,
+    not after the parts before it have run for hours."""
+    from attnres.config.command import check_command_line
+
+    data = [f"data.path={token_folder}"] if part in run.NEEDS_DATA else []  # part prepare's folder is not here
+    for sweep in next(p for p in run.PARTS if p.name == part).sweeps:
+        check_command_line(["-m", f"hydra.searchpath=[file://{run.CONF}]", *sweep.overrides, *data], REPO / "conf")

@@ -61,6 +61,11 @@ def choice_line(group: Mapping[str, Any], state: Mapping[str, Any]) -> str:
         done = sum(1 for t in group.get("trials", []) if t.get("status") == "finished")
         return (f"{group['label']}: not chosen yet: the search was stopped with {done} of its trials finished; "
                 "the same command with resume=true continues it")
+    if group.get("given"):  # hydra.sweeper.method=given (attnres/sweep/tuned_given.py): no search ran
+        ratios = ", ".join(f"{group['centre_ratio'][k]:.3g}x the configured {tuning.format_value(c)}"
+                           for k, c in group.get("configured", {}).items())
+        values = ", ".join(f"{k}={tuning.format_value(v)}" for k, v in group["centre"].items())
+        return f"{group['label']}: {values} ({ratios}), given (hydra.sweeper.given): no search ran"
     if group.get("chosen_values") is None:
         return f"{group['label']}: no choice: none of its {trials} trials finished with a finite {metric}"
     values = ", ".join(f"{k}={tuning.format_value(v)}" for k, v in group["chosen_values"].items())

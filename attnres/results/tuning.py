@@ -152,6 +152,8 @@ def budget_check(arms: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
     grid grew at an edge has more trials, which the sentence counts."""
     if not arms:
         return True, "no arms"
+    if all(a.get("given") for a in arms):  # hydra.sweeper.method=given: the values came from elsewhere
+        return True, "no search ran: each arm at its given values (hydra.sweeper.given), chosen outside this sweep"
     initial = {a["label"]: a.get("initial_trials") for a in arms}
     tokens = {a["label"]: a.get("tokens_per_trial") for a in arms}
     trials = {a["label"]: len(a.get("trials", [])) for a in arms}

@@ -39,7 +39,7 @@ from attnres.config.errors import ConfigError, user_errors
 from attnres.config.rules import BOOL
 from attnres.results import tuning
 from attnres.results.summary import config_labels, overrides_by_key
-from attnres.sweep import on_demand, plan, stopping, tuned_halving, tuned_proxy, tuned_start
+from attnres.sweep import on_demand, plan, stopping, tuned_given, tuned_halving, tuned_proxy, tuned_start
 from attnres.sweep.tuned_start import job_seeds, override_key
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,11 @@ class TunedSweeper(Sweeper):
     def __init__(self, method: str = "grid", tuning_seeds: Sequence[int] = (1000, 1001), metric: str = "val/loss",
                  grid: Mapping[str, Any] | None = None, optuna: Mapping[str, Any] | None = None,
                  baseline: str | None = None, proxy: Mapping[str, Any] | None = None, untuned: bool = False,
-                 params: Mapping[str, str] | None = None, prune: Mapping[str, Any] | None = None) -> None:
+                 params: Mapping[str, str] | None = None, prune: Mapping[str, Any] | None = None,
+                 given: Mapping[str, Any] | None = None) -> None:
         super().__init__()
-        grid, optuna, proxy, params, tuning_seeds, prune = (_plain(x) for x in (grid, optuna, proxy, params,
-                                                                               tuning_seeds, prune))
+        grid, optuna, proxy, params, tuning_seeds, prune, given = (
+            _plain(x) for x in (grid, optuna, proxy, params, tuning_seeds, prune, given))
         # a bad setting is kept to be refused in check() (one line, exit 2, the sweep folder left as it
         # was): raised here, Hydra would print its instantiation error
         self.problems: list[str] = []
@@ -80,6 +81,7 @@ class TunedSweeper(Sweeper):
         self.proxy_settings = tuned_proxy.flatten(proxy)  # with the fractions (tuned_proxy.py), as given
         self.proxy = {k: v for k, v in self.proxy_settings.items() if k not in tuned_proxy.FRACTIONS}
         self.params = dict(params or {})
+        self.given = given if given is not None else {}  # method=given: each arm's values (tuned_given.py)
         self.config: DictConfig | None = None
         self.hydra_context: Any = None
         self.launcher: Any = None
@@ -103,7 +105,8 @@ class TunedSweeper(Sweeper):
         return {"method": self.method, "metric": self.metric, "tuning_seeds": self.tuning_seeds,
                 "grid": grid if self.method == "grid" else None, "optuna": space if self.method == "optuna" else None,
                 "proxy": self.proxy_settings, "baseline": self.baseline,
-                **({"prune": self.prune} if self.prune["rungs"] else {})}  # unpruned: as sweeps before it
+                **({"prune": self.prune} if self.prune["rungs"] else {}),  # unpruned: as sweeps before it
+                **({"given": self.given} if self.method == tuned_given.METHOD else {})}
 
     def jobs_of(self, arguments: Sequence[str]) -> list[list[str]]:
         """The command line's jobs (the basic sweeper's cross product). They keep the `tune=` choice:
@@ -136,6 +139,8 @@ class TunedSweeper(Sweeper):
     def searched_keys(self) -> list[str]:
         if self.method == "grid":
             return [str(k) for k in self.grid["keys"]]
+        if self.method == tuned_given.METHOD:
+            return tuned_given.given_keys(self.given)
         return [str(k) for k in (self.optuna.get("space") or {})]
 
     def baseline_spec(self) -> tuple[str, str]:
@@ -196,6 +201,8 @@ class TunedSweeper(Sweeper):
             from attnres.sweep.tuned_grid import grid_search
 
             done = grid_search(self, sweep_dir, state)
+        elif self.method == tuned_given.METHOD:
+            done = tuned_given.choose(sweep_dir, state)
         else:
             from attnres.sweep.tuned_optuna import optuna_search
 
@@ -262,6 +269,8 @@ class TunedSweeper(Sweeper):
                     self.prune["rungs"], int(OmegaConf.select(cfg, "trainer.max_steps")))
             group["initial_trials"] = len(self.tuning_seeds) * (
                 int(self.grid["points"]) if self.method == "grid" else int(self.optuna.get("trials", 12)))
+        if self.method == tuned_given.METHOD:  # no search: each arm's values as given
+            tuned_given.place(self.given, list(groups.values()))
         for i, arm in enumerate(arms.values()):
             arm["label"] = alabels[str(i)]
             cfg = self.compose([*arm["overrides"], f"seed={arm['seeds'][0]}"])

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnres.config.errors import ConfigError
 from attnres.results.summary import overrides_by_key
-from attnres.sweep import on_demand, tuned_proxy
+from attnres.sweep import on_demand, tuned_given, tuned_proxy
 
 #: what a run's metrics.json holds (attnres/training/lit.py logs them); eval.tasks adds <task>/<metric>
 RUN_METRICS = ("val/loss", "val/bpb", "val/accuracy", "train/loss", "train/bpb")
@@ -28,8 +28,11 @@ def check(sweeper: Any, jobs: list[list[str]]) -> None:
     """The refusals before anything runs, each one line (exit 2)."""
     if sweeper.problems:
         raise ConfigError(sweeper.problems[0])
-    if sweeper.method not in ("grid", "optuna"):
-        raise ConfigError(f"hydra.sweeper.method={sweeper.method} is not a search method; use grid or optuna")
+    if sweeper.method not in ("grid", "optuna", tuned_given.METHOD):
+        raise ConfigError(f"hydra.sweeper.method={sweeper.method} is not a search method; use grid or optuna (or "
+                          "given: each arm's values from hydra.sweeper.given, no search)")
+    if sweeper.method == tuned_given.METHOD:
+        tuned_given.check_settings(sweeper.given)
     if not sweeper.tuning_seeds:
         raise ConfigError("hydra.sweeper.tuning_seeds is empty; give the search at least one seed, "
                           "e.g. hydra.sweeper.tuning_seeds=[1000,1001]")
@@ -137,6 +140,11 @@ def announce(sweeper: Any, state: Mapping[str, Any]) -> None:
     seeds = sorted({s for a in arms for s in a["seeds"]})
     verdict_runs = on_demand.planned_runs(sweeper.config, len(arms)) or \
         f"{sum(len(a['seeds']) for a in arms)} runs on seeds {', '.join(map(str, seeds))}"
+    if sweeper.method == tuned_given.METHOD:
+        print(f"tuned sweep: {len(arms)} arm{'s' * (len(arms) != 1)}; no search (hydra.sweeper.method=given): "
+              f"{tuned_given.describe(groups)}; verdict: {verdict_runs}"
+              + (", and as many at the configured values (untuned=true)" if sweeper.untuned else ""), flush=True)
+        return
     if sweeper.method == "grid":
         per = sweeper.grid["points"] * len(sweeper.tuning_seeds)
         how = (f"{sweeper.grid['points']}-point log grid (factor {sweeper.grid['factor']:g}) of "

@@ -53,6 +53,10 @@ REPO = HERE.parent.parent
 DATA = HERE / "data" / "stdlib-1k"
 SEEDS = "seed=0,1,2,3,4"
 STUDY = ("experiment=repro_study",)
+#: part tuned's choices (REPORT.md section 7), which part tuned_seeds runs at without searching again
+TUNED_CHOICES = "{standard:{optim.optimizer.lr:0.024},block:{optim.optimizer.lr:0.012}}"
+#: the paper's smallest Table 2 gain of Block AttnRes over the baseline (1.06% of its loss)
+TUNED_MARGIN = "1.06%"
 PARTS = (
     Part("prepare", "tokenized stdlib, a 1,024-token byte-level BPE", ()),
     Part("ordering", "the loss ordering of standard, Block (N=4, S=4) and Full at the deep shape; magnitudes and "
@@ -68,6 +72,14 @@ PARTS = (
                   "log grid (factor 2 around 3e-3) on tuning seeds 1000 and 1001, grown at an edge, then 5 "
                   "verdict seeds at each arm's best (docs/sweeps.md#tuned-comparisons)",
          (Sweep("tuned", (*STUDY, "shape=deep", "tune=lr", "residual=standard,block", "num_blocks=4", SEEDS)),)),
+    Part("tuned_seeds", "part tuned's comparison extended by seeds on demand: Block N=4 and standard at the lrs "
+                        "its search chose (block 0.012, standard 0.024; hydra.sweeper.method=given), 5 seeds, then "
+                        "3 a look while the verdict at a margin of 1.06% is not resolved, at most 17 "
+                        "(docs/sweeps.md#seeds-on-demand); at most about 2 hours",
+         (Sweep("tuned_seeds", (*STUDY, "shape=deep", "tune=lr", "residual=standard,block", "num_blocks=4",
+                                "hydra.sweeper.method=given", f"hydra.sweeper.given={TUNED_CHOICES}",
+                                "seeds.on_demand=true", "seeds.start=5", "seeds.batch=3", "seeds.max=17",
+                                f"verdict.margin={TUNED_MARGIN}")),)),
     Part("ladder", "the compute multiplier of Block N=8 over standard on a four-rung ladder (8 layers, width "
                    "16, 24, 32 at 3 seeds, and 40 from parts ordering and blocksize; 25 tokens per parameter)",
          (Sweep("ladder", (*STUDY, "shape=w16,w24,w32", "residual=standard,block", "num_blocks=8",
@@ -83,7 +95,7 @@ PARTS = (
          (Sweep("depth_tuned", ("experiment=depth_study",)),)),
 )
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # what call_forwarding returns after Ctrl-C or a kill
-NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "ladder")  # the parts that read the tokenized stdlib
+NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "tuned_seeds", "ladder")  # the parts that read the tokenized stdlib
 
 
 def prepare() -> int:
