@@ -223,7 +223,7 @@ def test_running_one_part_where_the_others_runs_are_absent_keeps_their_sections(
     written, kept = report.update_report(tmp_path / "runs", ["tasks"])
     text = written.read_text()
     assert kept.startswith("REPORT.md kept as written: part(s) ordering, blocksize, depth, ladder, tuned, "
-                           "depth_tuned have no runs in ") and "section(s) of part(s) tasks updated" in kept
+                           "tuned_seeds, depth_tuned have no runs in ") and "section(s) of part(s) tasks updated" in kept
     original = (HERE / "REPORT.md").read_text()
     assert original.split("## Training length")[1].split("## 8.")[0].split("## Not run at")[0] == \
         text.split("## Training length")[1].split("## 8.")[0]  # sections 1 to 7 as they were

@@ -8,6 +8,7 @@ of the parts it reuses), with the verdict rule and words of verdicts.py:
     shapes_part.py       3. depth at equal parameters (Figure 7): part `depth`, deep against shallow
     ladder_part.py       6. the compute multiplier
     tuned_part.py        7. each arm at its own learning rate
+    tuned_seeds_part.py  7b. the same, extended by seeds on demand to a verdict at a stated margin
     tasks_part.py        8. a downstream task through lm-eval
     study.py             what they share: the runs, paired effects and their intervals, tables, figures
 
@@ -38,6 +39,7 @@ import records  # noqa: E402
 import shapes_part  # noqa: E402
 import tasks_part  # noqa: E402
 import training_length  # noqa: E402
+import tuned_seeds_part  # noqa: E402
 from study import (  # noqa: E402
     PAPER,
     PAPER_GAPS,
@@ -93,9 +95,11 @@ def splice_tasks(out: Path) -> Path:
                   TASKS_ROW.format(_wall(read_json(out / "state.json"), "tasks")), "runs/tasks")
 
 
-def splice(title: str, text: list[str], claims: list[str], old_claim: str, part: str, row: str, source: str) -> Path:
-    """Replace one section of REPORT.md (or add it before "Not run at this scale"), its claim line
-    (found by `old_claim`) and its wall-time row, keeping the rest as it was written."""
+def splice(title: str, text: list[str], claims: list[str], old_claim: str, part: str, row: str, source: str,
+           before: str = "## Not run at this scale") -> Path:
+    """Replace one section of REPORT.md (or add it before the section `before`, or before "Not run at
+    this scale" where that is absent), its claim line (found by `old_claim`) and its wall-time row,
+    keeping the rest as it was written."""
     report = HERE / "REPORT.md"
     lines = [line for line in report.read_text().splitlines() if old_claim not in line]
     head = next(i for i, line in enumerate(lines) if line.startswith("## Verdicts ("))
@@ -118,7 +122,7 @@ def splice(title: str, text: list[str], claims: list[str], old_claim: str, part:
         stop = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
         lines[start:stop] = section
     else:
-        at = lines.index("## Not run at this scale")
+        at = lines.index(before if before in lines else "## Not run at this scale")
         lines[at:at] = section
     tmp = report.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
@@ -138,9 +142,21 @@ def splice_depth_tuned(out: Path) -> Path:
                   DEPTH_ROW.format(_wall(read_json(out / "state.json"), "depth_tuned")), "runs/depth_tuned")
 
 
-SPLICES: dict[str, Callable[[Path], Path]] = {"tuned": splice_tuned, "tasks": splice_tasks,
-                                              "depth_tuned": splice_depth_tuned}
-FOLDERS = (*PARTS, "tuned", "tasks", "depth_tuned")  # every part's runs folder under the output folder
+TUNED_SEEDS_ROW = ("| tuned_seeds | standard and Block N=4 at the deep shape at part tuned's lrs, seeds on demand: 5, "
+                   "then 3 a look, at most 17 | {} |")
+
+
+def splice_tuned_seeds(out: Path) -> Path:
+    """Update REPORT.md's section 7b alone (tuned_seeds_part.py), placed after section 7."""
+    text, claims = tuned_seeds_part.section(out, HERE / "figures", HERE / records.FOLDER)
+    return splice(tuned_seeds_part.TITLE, text, claims, "\x00", "tuned_seeds",
+                  TUNED_SEEDS_ROW.format(_wall(read_json(out / "state.json"), "tuned_seeds")), "runs/tuned_seeds",
+                  before=f"## {TASKS_TITLE}")
+
+
+SPLICES: dict[str, Callable[[Path], Path]] = {"tuned": splice_tuned, "tuned_seeds": splice_tuned_seeds,
+                                              "tasks": splice_tasks, "depth_tuned": splice_depth_tuned}
+FOLDERS = (*PARTS, "tuned", "tuned_seeds", "tasks", "depth_tuned")  # every part's runs folder under the output folder
 
 
 def update_report(out: Path, ran: Sequence[str]) -> tuple[Path, str]:
@@ -236,6 +252,7 @@ def write_report(out: Path) -> Path:
         ("5. Depth attention (Figure 8)", lambda: ordering_part.part_heatmaps(runs, figs)),
         ("6. The compute multiplier (Table 2's fits)", lambda: ladder_part.part_ladder(out, runs, figs)),
         (TUNED_TITLE, lambda: tuned_section(out, runs, figs)),
+        (tuned_seeds_part.TITLE, lambda: tuned_seeds_part.section(out, figs, HERE / records.FOLDER)),
         (TASKS_TITLE, lambda: tasks_section(out, figs)),
         (depth_part.TITLE, lambda: depth_part.section(out, figs, save, HERE / records.FOLDER)),
     ]
@@ -270,7 +287,8 @@ def write_report(out: Path) -> Path:
         f"| blocksize | Block N=8 and N=2 at the deep shape x 5 seeds | {_wall(state, 'blocksize')} |",
         f"| depth | standard and Block N=2 at the shallow shape x 5 seeds | {_wall(state, 'depth')} |",
         f"| ladder | standard and Block N=8 at widths 16, 24, 32 x 3 seeds | {_wall(state, 'ladder')} |",
-        TUNED_ROW.format(_wall(state, "tuned")), TASKS_ROW.format(_wall(state, "tasks")),
+        TUNED_ROW.format(_wall(state, "tuned")), TUNED_SEEDS_ROW.format(_wall(state, "tuned_seeds")),
+        TASKS_ROW.format(_wall(state, "tasks")),
         DEPTH_ROW.format(_wall(state, "depth_tuned")), "",
         "## Training length", "", *training_length.part_length(runs, figs), "",
         *body,

@@ -95,7 +95,8 @@ PARTS = (
          (Sweep("depth_tuned", ("experiment=depth_study",)),)),
 )
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # what call_forwarding returns after Ctrl-C or a kill
-NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "tuned_seeds", "ladder")  # the parts that read the tokenized stdlib
+#: the parts that read the tokenized stdlib
+NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "tuned_seeds", "ladder")
 
 
 def prepare() -> int:

@@ -97,10 +97,11 @@ def part_tuned(out: Path, figs: Path, shared: Any, effect_cls: Any, verdict: Cal
     return text, claims
 
 
-def verdict_runs(out: Path) -> list[dict[str, Any]]:
-    """The verdict seeds' runs of each arm (records.py): arm, stage (`tuned`: at its chosen values;
-    `configured`: at the shared ones, where the sweep ran them), chosen values, seed, status, metrics."""
-    sweep = out / FOLDER
+def verdict_runs(out: Path, folder: str = FOLDER) -> list[dict[str, Any]]:
+    """The verdict seeds' runs of each arm (records.py) of the tuned sweep `out / folder`: arm, stage
+    (`tuned`: at its chosen values; `configured`: at the shared ones, where the sweep ran them), chosen
+    values, seed, status, metrics."""
+    sweep = out / folder
     state = tuning.read_state(sweep)
     groups = {g["label"]: g for g in state.get("groups", [])}
     found = []
