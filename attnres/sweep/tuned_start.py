@@ -144,6 +144,9 @@ def announce(sweeper: Any, state: Mapping[str, Any]) -> None:
         print(f"tuned sweep: {len(arms)} arm{'s' * (len(arms) != 1)}; no search (hydra.sweeper.method=given): "
               f"{tuned_given.describe(groups)}; verdict: {verdict_runs}"
               + (", and as many at the configured values (untuned=true)" if sweeper.untuned else ""), flush=True)
+        verdict = _verdict_hours(sweeper, arms)
+        if verdict is not None:
+            print(f"  about {verdict} of verdict runs (costs.mfu, costs.peak_flops)", flush=True)
         return
     if sweeper.method == "grid":
         per = sweeper.grid["points"] * len(sweeper.tuning_seeds)
@@ -166,12 +169,26 @@ def announce(sweeper: Any, state: Mapping[str, Any]) -> None:
           + (", and as many at the configured values (untuned=true)" if sweeper.untuned else ""), flush=True)
     hours = _gpu_hours([sweeper.compose(sweeper.trial_overrides(g, {}, sweeper.tuning_seeds[0])) for g in groups])
     if hours is not None:
-        verdict = _gpu_hours([sweeper.compose([*a["overrides"], f"seed={s}"]) for a in arms for s in a["seeds"]])
+        verdict = _verdict_hours(sweeper, arms)
         full = _gpu_hours([sweeper.compose([*a["overrides"], f"seed={sweeper.tuning_seeds[0]}"]) for a in arms]) \
             if sweeper.proxy_settings else None
         against = f" (the same search at every configuration's full size: {full * per:,.1f})" if full else ""
         print(f"  about {hours * per * share:,.1f} GPU-hours of search trials{against} (more if a grid grows), and "
-              f"{verdict or 0:,.1f} GPU-hours of verdict runs (costs.mfu, costs.peak_flops)", flush=True)
+              f"{verdict or '0.0 GPU-hours'} of verdict runs (costs.mfu, costs.peak_flops)", flush=True)
+
+
+def _verdict_hours(sweeper: Any, arms: Sequence[Mapping[str, Any]]) -> str | None:
+    """`12.3 GPU-hours` of the verdict's runs when the experiment prices them, else None; with seeds on
+    demand, the first look's and the most the design may run (`seeds.max` a configuration)."""
+    design = on_demand.design_of(sweeper.config)
+    if design is None:
+        hours = _gpu_hours([sweeper.compose([*a["overrides"], f"seed={s}"]) for a in arms for s in a["seeds"]])
+        return None if hours is None else f"{hours:,.1f} GPU-hours"
+    one = _gpu_hours([sweeper.compose([*a["overrides"], f"seed={design['first']}"]) for a in arms])
+    if one is None:
+        return None
+    first = len(on_demand.next_seeds(design, 0))
+    return f"{one * first:,.1f} GPU-hours for the first look, up to {one * design['max']:,.1f} GPU-hours at seeds.max"
 
 
 def _pruned_share(sweeper: Any, groups: Sequence[Mapping[str, Any]]) -> tuple[float, str]:

@@ -107,3 +107,30 @@ def test_a_resume_with_other_given_values_is_refused(tmp_path, capsys):
                     given=other)
     assert exit_.value.code == 2
     assert "the search changed since this tuned sweep started" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["given", "grid"])
+def test_a_priced_sweep_with_seeds_on_demand_prices_the_first_look_and_the_maximum(tmp_path, capsys, method):
+    """The verdict's GPU-hours were priced on one seed per arm (the configured seed, which seeds on
+    demand never runs): 1/3 of the first look's, 1/10 of the most the design may run."""
+    import re
+
+    paper = ["experiment=paper_scaling", "data=tokens", "data.path=data", "trainer.accelerator=gpu"]
+    params = {"size": "194m", "residual": "standard,block"}
+
+    def priced(*extra, seeds=()):
+        settings = {"method": "given", "given": GIVEN} if method == "given" else {}
+        sweeper = make_sweeper(tmp_path, *paper, *extra, params=params, **settings)
+        jobs = sweeper.jobs_of(["tune=lr", *paper, *extra, *seeds])
+        sweeper.start_state(tmp_path / "sweep", jobs)
+        return capsys.readouterr().out
+
+    on_demand = priced("seeds.on_demand=true", "seeds.start=3", "seeds.max=10")
+    first, most = (float(x.replace(",", "")) for x in re.search(
+        r"([0-9,.]+) GPU-hours for the first look, up to ([0-9,.]+) GPU-hours at seeds.max of verdict runs",
+        on_demand).groups())
+    fixed = float(re.search(r"([0-9,.]+) GPU-hours of verdict runs", priced(seeds=["seed=0,1,2"]))
+                  .group(1).replace(",", ""))
+    assert first == pytest.approx(fixed, rel=0.01) and most == pytest.approx(fixed * 10 / 3, rel=0.01)
+    assert fixed > 0
