@@ -206,22 +206,19 @@ def interleaved(fns: dict[str, Callable[[], object]], steps: int, warmup: int, t
 
 
 def strategy_factory(name: str, args: argparse.Namespace):
-    """`name`: standard, block or full; block-prenorm and full-prenorm are those with each
-    sublayer's pre-norm fused into its depth mix (the strategies' `fuse_prenorm`)."""
+    """`name`: standard, block or full (each sublayer's pre-norm its own, `fuse_prenorm=False`, whatever
+    the default); block-prenorm and full-prenorm are those with each sublayer's pre-norm fused into its
+    depth mix (`fuse_prenorm=True`)."""
     base, _, variant = name.partition("-")
     if base == "standard" and not variant:
         return StandardResidual
     if base in ("block", "full") and variant in ("", "prenorm"):
-        factory = (functools.partial(BlockAttentionResidual, num_blocks=args.num_blocks, kernel=args.kernel)
-                   if base == "block" else functools.partial(FullAttentionResidual, kernel=args.kernel))
-        return functools.partial(_fused_prenorm, factory) if variant else factory
+        fused = variant == "prenorm"
+        if base == "block":
+            return functools.partial(BlockAttentionResidual, num_blocks=args.num_blocks, kernel=args.kernel,
+                                     fuse_prenorm=fused)
+        return functools.partial(FullAttentionResidual, kernel=args.kernel, fuse_prenorm=fused)
     raise ValueError(f"unknown strategy {name!r}; choose from standard, block, full, block-prenorm, full-prenorm")
-
-
-def _fused_prenorm(factory, **kw):
-    residual = factory(**kw)
-    residual.fuse_prenorm = True
-    return residual
 
 
 def saved_forward_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> int:

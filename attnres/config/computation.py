@@ -3,7 +3,8 @@
 Every checkpoint records them (`checkpoint["attnres"]["config"]`, written by the Lightning module);
 continuing it under other values would train something else and call it the same run. Keys that
 only say how long, how fast or how loudly a run goes (`trainer.max_steps`, the progress bar, the
-logging and validation intervals, `residual.kernel`, the data loader's workers) may differ.
+logging and validation intervals, `residual.kernel`, `residual.fuse_prenorm`, the data loader's
+workers) may differ.
 A checkpoint written before the record existed is held against the `.hydra/config.yaml` of the run
 that wrote it, when that file still says what the run was.
 """
@@ -22,8 +23,9 @@ from attnres.config.errors import ConfigError
 #: the parts of a config that decide what is computed, step by step
 COMPUTED = ("residual", "model", "data", "optim", "seed", "nonfinite", "trainer.precision",
             "trainer.gradient_clip_val", "trainer.gradient_clip_algorithm", "trainer.accumulate_grad_batches")
-#: keys inside those parts that do not change the numbers (the kernels agree to float rounding)
-NOT_COMPUTED = ("residual.kernel", "data.num_workers", "data.cache_dir", "optim.total_steps")
+#: keys inside those parts that do not change the numbers (the kernels, and a fused pre-norm, agree to float rounding)
+NOT_COMPUTED = ("residual.kernel", "residual.fuse_prenorm", "data.num_workers", "data.cache_dir",
+                "optim.total_steps")
 SHOWN = 3  # differences named in the refusal; the rest are counted
 #: keys added since runs were first recorded, with the value that computes what a run without them did
 ADDED = {"model.parametrization": "standard", "model.depth_alpha": 1.0}

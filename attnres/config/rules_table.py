@@ -131,7 +131,7 @@ RULES: dict[tuple[str, tuple[str, ...]], dict[str, Rule]] = {
     },
     ("residual", ("attnres.",)): {
         "eps": Rule("number", 0, open_low=True, example=1e-6), "key_norm_gain": BOOL, "output_aggregation": BOOL,
-        "kernel": Rule("choice", choices=KERNELS),
+        "kernel": Rule("choice", choices=KERNELS), "fuse_prenorm": BOOL,
     },
     ("data", ("attnres.data.",)): {
         "block_size": Rule("int", 1, example=128), "batch_size": Rule("int", 1, example=16),

@@ -44,7 +44,7 @@ FUSED_OUTPUT_NORM = True
 SECOND_ORDER_NORMED_MERGE = (
     "attnres: a second-order gradient (create_graph=True) through a merge with the next sublayer's pre-norm "
     "fused in (the Block/Full strategies' fuse_prenorm on kernel='cpu') is not available: set fuse_prenorm=False "
-    "on the strategy (its default), or use kernel='naive'"
+    "on the strategy (residual.fuse_prenorm=false), or use kernel='naive'"
 )
 SOURCE = Path(__file__).with_name("csrc") / "depth_attention_cpu.cpp"
 OPENMP_FAILED = "openmp-failed"  # in an OpenMP build's folder: that build failed here, do not try again

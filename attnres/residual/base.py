@@ -220,6 +220,7 @@ class DepthAttentionResidual(ResidualStrategy):
     an input-dependent one, `key_norm_weight` (L + 1, D) with a key norm and its gain,
     `mixing_logits` (L + 1, max_sources) for static mixing; the others are None.
     `max_sources` is the most sources a row has (default L + 1, Full AttnRes's output).
+    `fuse_prenorm` (default True) fuses each sublayer's pre-norm into the mix that makes its input (`prenorm_of`).
     """
 
     has_depth_attention = True
@@ -228,12 +229,6 @@ class DepthAttentionResidual(ResidualStrategy):
     #: the most tokens (B * T) a pass without gradients may have to take the one-pass route
     #: (module docstring); 0: never. Set by each strategy where it measured the crossover.
     one_pass_tokens: int = 0
-    #: whether the two-phase path hands a sublayer its input already through the sublayer's own
-    #: pre-norm, fused into the depth mix on the C++ kernel (`prenorm_of`); set it on an instance.
-    #: Off by default: at 12 x 32 on a loaded machine a Block step was 3% to 8% cheaper, Full's no
-    #: cheaper beyond the noise (experiments/BENCHMARKS.md, "The next pre-norm fused"), and a
-    #: second-order gradient through a fused merge is refused
-    fuse_prenorm: bool = False
 
     def __init__(
         self,
@@ -250,12 +245,21 @@ class DepthAttentionResidual(ResidualStrategy):
         key_norm: bool = True,
         heads: int = 1,
         max_sources: int | None = None,
+        fuse_prenorm: bool = True,
     ) -> None:
         super().__init__(d_model, num_layers, eps)
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        if not isinstance(fuse_prenorm, bool):
+            raise ValueError(f"fuse_prenorm={fuse_prenorm!r} must be True or False (the sublayers' pre-norm fused "
+                             "into their depth mix, or not)")
         check_ablations(d_model, query, mixing, scoring, key_norm, heads)
         self.kernel = kernel
+        # whether the two-phase path hands a sublayer its input already through the sublayer's own
+        # pre-norm, fused into the depth mix (`prenorm_of`; the YAML key residual.fuse_prenorm). On by
+        # default: at 12 x 32, 8 x 40 and 8 x 96 a train step was 2% to 6% cheaper fused in every run
+        # (experiments/BENCHMARKS.md, "The next pre-norm fused")
+        self.fuse_prenorm = fuse_prenorm
         self.output_aggregation = output_aggregation
         self.query, self.mixing, self.scoring, self.key_norm, self.heads = query, mixing, scoring, key_norm, heads
         # any ablation runs the reference op on every pass (`fast_kernel`)
@@ -378,4 +382,5 @@ class DepthAttentionResidual(ResidualStrategy):
             f"d_model={self.d_model}, num_layers={self.num_layers}, eps={self.eps}, "
             f"key_norm_gain={self.key_norm_weight is not None}, output_aggregation={self.output_aggregation}, "
             f"kernel={self.kernel!r}" + options_repr(self)  # the ablation options set, if any
+            + ("" if self.fuse_prenorm else ", fuse_prenorm=False")  # only what is not the default, as above
         )

@@ -166,6 +166,7 @@ class BlockAttentionResidual(DepthAttentionResidual):
         window: None = None,
         block_size_layers: int | None = None,
         query_init_std: float = 0.0,
+        fuse_prenorm: bool = True,
     ) -> None:
         if window is not None:
             raise ValueError(f"window={window!r} is a Full AttnRes option (a sliding window over its per-sublayer "
@@ -180,7 +181,8 @@ class BlockAttentionResidual(DepthAttentionResidual):
             raise ValueError(f"query_init_std={query_init_std!r} must be a number >= 0 (0: zero-initialised queries)")
         sizes = resolve_block_sizes(num_layers, num_blocks, block_sizes)
         super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel, query=query,
-                         mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads, max_sources=len(sizes) + 1)
+                         mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads, max_sources=len(sizes) + 1,
+                         fuse_prenorm=fuse_prenorm)
         self.block_sizes = sizes
         self.num_blocks = len(sizes)
         self.block_size = sizes[0] if len(set(sizes)) == 1 else None  # S, sublayers per block, if equal

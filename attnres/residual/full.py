@@ -54,9 +54,10 @@ class FullAttentionResidual(DepthAttentionResidual):
         key_norm: bool = True,
         heads: int = 1,
         window: int | None = None,
+        fuse_prenorm: bool = True,
     ) -> None:
         super().__init__(d_model, num_layers, eps, key_norm_gain, output_aggregation, kernel, query=query,
-                         mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads)
+                         mixing=mixing, scoring=scoring, key_norm=key_norm, heads=heads, fuse_prenorm=fuse_prenorm)
         self.window = check_window(window, num_layers)
         # a window that hides a source takes the reference path too; W >= L hides none
         self.ablated = self.ablated or (self.window is not None and self.window < num_layers)

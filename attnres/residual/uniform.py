@@ -31,7 +31,7 @@ from attnres.residual.block import DEFAULT_NUM_BLOCKS, BlockAttentionResidual
 class UniformBlockResidual(BlockAttentionResidual):
     """Block AttnRes's sources mixed by their plain mean (module docstring). Options are Block
     AttnRes's blocks (`num_blocks`, `block_sizes`), `eps`, `output_aggregation` (the mean of the
-    blocks, or their plain sum) and `kernel`; it owns no parameters."""
+    blocks, or their plain sum), `kernel` and `fuse_prenorm`; it owns no parameters."""
 
     elementwise_parameters = ()
 
@@ -44,9 +44,11 @@ class UniformBlockResidual(BlockAttentionResidual):
         output_aggregation: bool = True,
         kernel: str = "auto",
         block_sizes: Sequence[int] | None = None,
+        fuse_prenorm: bool = True,
     ) -> None:
         super().__init__(d_model, num_layers, num_blocks, eps, key_norm_gain=False,
-                         output_aggregation=output_aggregation, kernel=kernel, block_sizes=block_sizes)
+                         output_aggregation=output_aggregation, kernel=kernel, block_sizes=block_sizes,
+                         fuse_prenorm=fuse_prenorm)
         rows = self.pseudo_query.shape
         del self.pseudo_query  # zero logits for good: the softmax over S sources is 1 / S each
         # persistent, though it never changes: a loader that builds the model on the meta device

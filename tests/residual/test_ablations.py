@@ -359,7 +359,7 @@ def test_yaml_keys_are_constructor_arguments_with_their_defaults(kind, cls):
     cfg.pop("num_blocks", None)  # ${num_blocks}, the top-level key
     strategy = cls(D, 8, **cfg)
     assert not strategy.ablated
-    for key in ("query", "mixing", "scoring", "key_norm", "heads", "window"):
+    for key in ("query", "mixing", "scoring", "key_norm", "heads", "window", "fuse_prenorm"):
         if key in cfg:
             assert getattr(strategy, key) == cfg[key]
 
