@@ -13,8 +13,16 @@ loaded machine the floor is low and the ratios high.
 `--tokens-sweep` also times the forward at several token counts per width: the intercept of time
 against tokens is the per-call cost (Python, allocation), the slope the per-token one.
 
+`--profile` takes the op apart at each width: each layer of the call (the C++
+op alone, its autograd Function, the public entry) forward and forward + backward at growing
+token counts, a line time = a + b * bytes through each (a: the fixed cost of a call; b against the
+copy's seconds per byte: the ratio to the floor a long call tends to), the statistics' share
+(the forward with the key statistics given), the fixed and per-value cost of a source row (the
+per-token slopes across widths).
+
     python experiments/bench_op_widths.py                      # D 32, 64, 96, 128, 256
     python experiments/bench_op_widths.py --widths 32 --tokens-sweep
+    python experiments/bench_op_widths.py --widths 32,64,96 --profile
 """
 
 from __future__ import annotations
@@ -88,6 +96,138 @@ def measure(d: int, tokens: int, n_src: int, rounds: int) -> dict:
     return out
 
 
+# -- --profile: where a call's time goes -------------------------------------------------------------
+PROFILE_TOKENS = (64, 128, 256, 512, 1024, 2048)
+EPS = 1e-6
+
+
+def op_layers(n_src: int, tokens: int, d: int) -> dict[str, tuple[int, object]]:
+    """{layer: (tensor passes of its floor, a call)} for depth attention over `n_src` sources of
+    (`tokens`, D) float32, one query: the C++ ops alone (their allocations included), the autograd
+    Function around them (`cpu_fused.run_depth_attention`), and the public entry
+    (`functional.depth_attention`: the checks, the query folding, the weights' softmax)."""
+    gen = torch.Generator().manual_seed(d)
+    plain = [torch.randn(tokens, d, generator=gen) for _ in range(n_src)]
+    tracked = [v.clone().requires_grad_() for v in plain]
+    query, gain = torch.randn(d, generator=gen) / d**0.5, torch.ones(d)
+    folded = (query * gain).unsqueeze(0).contiguous()
+    leaf_q, leaf_query, leaf_gain = (x.clone().requires_grad_() for x in (folded, query, gain))
+    dh = torch.randn(tokens, d, generator=gen)
+    fwd, bwd = torch.ops.attnres_cpu.forward.default, torch.ops.attnres_cpu.backward.default
+    outs, z, lse, r, _, _ = fwd(plain, None, folded, [], None, EPS, None, EPS)
+    shape, stats = plain[0].shape, (n_src, tokens)
+
+    def clear() -> None:
+        for x in (*tracked, leaf_q, leaf_query, leaf_gain):
+            x.grad = None
+
+    def op_pair() -> None:
+        o, zz, ll, rr, _, _ = fwd(plain, None, folded, [], None, EPS, None, EPS)
+        bwd(plain, rr, folded, zz, ll, None, o, [dh], None, None, None, None, None, [])
+
+    def function_pair() -> None:
+        cpu_fused.run_depth_attention(tracked, None, leaf_q, eps=EPS)[0][0].backward(dh)
+        clear()
+
+    def entry_pair() -> None:
+        depth_attention(tracked, leaf_query, leaf_gain, kernel="cpu")[0].backward(dh)
+        clear()
+
+    def one_op() -> None:  # what starting autograd's engine costs a call, whatever the op
+        (leaf_gain * 1.0).backward(dh[0])
+        clear()
+
+    def no_grad(fn):
+        def call() -> None:
+            with torch.no_grad():
+                fn()
+        return call
+
+    n, fb = n_src + 1, 3 * n_src + 2
+    return {
+        "forward: results allocated only": (n, lambda: [torch.empty(shape), torch.empty((1, *stats)),
+                                                          torch.empty((1, tokens)), torch.empty(stats),
+                                                          torch.empty(0), torch.empty(0)]),
+        "forward: C++ op": (n, lambda: fwd(plain, None, folded, [], None, EPS, None, EPS)),
+        "forward: C++ op, statistics given": (n, lambda: fwd(plain, r, folded, [], None, EPS, None, EPS)),
+        "forward: autograd Function (graph kept)": (n, lambda: cpu_fused.run_depth_attention(tracked, None, leaf_q,
+                                                                                               eps=EPS)),
+        "forward: depth_attention": (n, no_grad(lambda: depth_attention(plain, query, gain, kernel="cpu"))),
+        "backward: C++ op": (2 * n_src + 1, lambda: bwd(plain, r, folded, z, lse, None, outs, [dh], None, None,
+                                                         None, None, None, [])),
+        "forward+backward: C++ ops": (fb, op_pair),
+        "forward+backward: autograd Function": (fb, function_pair),
+        "forward+backward: depth_attention": (fb, entry_pair),
+        "backward() of a one-op graph": (0, one_op),
+    }
+
+
+def time_layers(n_src: int, tokens: int, d: int, rounds: int) -> dict[str, float]:
+    """The least CPU time of a call of each layer, in seconds: every layer in each round, each
+    sample the mean of enough calls to run about 8,192 tokens (a short call alone is below the
+    clock's grain of noise)."""
+    layers = op_layers(n_src, tokens, d)
+    inner = max(1, 8192 // tokens)
+    best = {name: float("inf") for name in layers}
+    for _, fn in layers.values():
+        fn()
+    for _ in range(rounds):
+        for name, (_, fn) in layers.items():
+            start = time.thread_time()
+            for _ in range(inner):
+                fn()
+            best[name] = min(best[name], (time.thread_time() - start) / inner)
+    return best
+
+
+def profile_width(d: int, n_src: int, rounds: int, rate: float) -> dict:
+    passes = {name: p for name, (p, _) in op_layers(n_src, 8, d).items()}
+    timed = {t: time_layers(n_src, t, d, rounds) for t in PROFILE_TOKENS}
+    out: dict = {"D": d, "sources": n_src, "tokens": list(PROFILE_TOKENS), "layers": {}}
+    print(f"D {d}: {n_src} sources, the least CPU time of a call (us) at {list(PROFILE_TOKENS)} tokens; "
+          f"a line time = a + b * bytes through them; b * rate: the ratio to the floor a long call tends to; "
+          f"at 2,048 tokens: the ratio to the floor, and a's share of the call", flush=True)
+    for name, p in passes.items():
+        xs = [p * t * d * 4 for t in PROFILE_TOKENS]
+        ys = [timed[t][name] for t in PROFILE_TOKENS]
+        if not p:  # no bytes of its own: a fixed cost
+            out["layers"][name] = {"seconds": ys, "a_us": statistics.median(ys) * 1e6}
+            print(f"  {name:38s} {' '.join(f'{y * 1e6:8.1f}' for y in ys)} | a {statistics.median(ys) * 1e6:6.1f} us "
+                  "(the median)", flush=True)
+            continue
+        b, a = statistics.linear_regression(xs, ys)
+        at = PROFILE_TOKENS.index(2048)
+        floor = xs[at] / rate
+        out["layers"][name] = {"passes": p, "seconds": ys, "a_us": a * 1e6, "b_s_per_byte": b,
+                               "b_times_rate": b * rate, "vs_floor_2048": ys[at] / floor, "a_share_2048": a / ys[at]}
+        print(f"  {name:38s} {' '.join(f'{y * 1e6:8.1f}' for y in ys)} | a {a * 1e6:6.1f} us, b * rate "
+              f"{b * rate:5.2f} | 2,048: {ys[at] / floor:5.2f}x floor, a {100 * a / ys[at]:4.1f}%", flush=True)
+    return out
+
+
+def profile_widths(widths: list[int], n_src: int, rounds: int, rate: float) -> dict:
+    """`--profile`: each width's layers (`profile_width`), then across widths the cost of a source
+    row in the C++ forward, per token over the sources (the forward's slope in tokens), as c + e * D
+    (c: what a row costs whatever its width; e against the floor's per value). Every time is the
+    thread's CPU time: torch.profiler's tables are wall clock, which on a loaded machine counts the
+    other jobs' turns."""
+    print(f"copy rate {rate / 1e9:.1f} GB/s (CPU time): the floor's seconds per byte 1 / rate", flush=True)
+    per_width = [profile_width(d, n_src, rounds, rate) for d in widths]
+    result: dict = {"copy_bytes_per_s": rate, "widths": per_width}
+    rows = []
+    for w in per_width:
+        slope = w["layers"]["forward: C++ op"]["b_s_per_byte"] * w["layers"]["forward: C++ op"]["passes"] * w["D"] * 4
+        rows.append(slope / n_src)  # seconds per source row (its share of the output's write included)
+    if len(widths) >= 2:
+        e, c = statistics.linear_regression([float(d) for d in widths], rows)
+        floor_value = 4 * (n_src + 1) / n_src / rate
+        result["row"] = {"per_row_ns": [x * 1e9 for x in rows], "c_ns": c * 1e9, "e_ns_per_value": e * 1e9,
+                         "floor_ns_per_value": floor_value * 1e9}
+        print(f"a source row in the C++ forward at D {widths}: {[round(x * 1e9, 1) for x in rows]} ns = "
+              f"{c * 1e9:.1f} ns + {e * 1e9:.3f} ns a value (floor {floor_value * 1e9:.3f} ns a value)", flush=True)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", default="32,64,96,128,256", help="comma-separated D")
@@ -95,12 +235,20 @@ def main() -> None:
     p.add_argument("--sources", type=int, default=9)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens-sweep", action="store_true", help="also the forward at 1/8, 1/2, 1 and 4 x --tokens")
+    p.add_argument("--profile", action="store_true", help="where a call's time goes (module docstring), not the table")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     torch.set_num_threads(1)
     keep_freed_memory()
     if not cpu_fused.available():
         raise SystemExit(f"bench_op_widths: the C++ kernel is not available ({cpu_fused.load_error()})")
+    if args.profile:
+        results = profile_widths([int(x) for x in args.widths.split(",")], args.sources, args.rounds,
+                                 copy_rate(args.rounds))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=1)
+        return
     results = []
     for d in (int(x) for x in args.widths.split(",")):
         r = measure(d, args.tokens, args.sources, args.rounds)
