@@ -33,6 +33,9 @@ def check(sweeper: Any, jobs: list[list[str]]) -> None:
                           "given: each arm's values from hydra.sweeper.given, no search)")
     if sweeper.method == tuned_given.METHOD:
         tuned_given.check_settings(sweeper.given)
+    elif sweeper.given:  # else the values would be ignored and a search would run in their place
+        raise ConfigError(f"hydra.sweeper.given is set, but hydra.sweeper.method={sweeper.method} searches; add "
+                          "hydra.sweeper.method=given to run each arm at its given values, or drop hydra.sweeper.given")
     if not sweeper.tuning_seeds:
         raise ConfigError("hydra.sweeper.tuning_seeds is empty; give the search at least one seed, "
                           "e.g. hydra.sweeper.tuning_seeds=[1000,1001]")

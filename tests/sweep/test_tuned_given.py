@@ -88,6 +88,8 @@ def test_seeds_on_demand_run_their_looks_at_the_given_values(tmp_path):
      "hydra.sweeper.prune works with method=grid"),
     ({"method": "given", "given": GIVEN}, ("optim.optimizer.lr=0.01",), "optim.optimizer.lr is both searched"),
     ({"method": "gridd"}, (), "hydra.sweeper.method=gridd is not a search method; use grid or optuna (or given"),
+    ({"given": GIVEN}, (), "hydra.sweeper.given is set, but hydra.sweeper.method=grid searches; add "
+                           "hydra.sweeper.method=given"),
 ])
 def test_bad_given_settings_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys, settings, extra,
                                                                               words):
