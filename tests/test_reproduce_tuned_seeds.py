@@ -86,3 +86,18 @@ def test_the_part_splices_its_section_after_section_7_once(tmp_path, monkeypatch
     assert text.index(f"## {report.TUNED_TITLE}") < text.index(f"## {part.TITLE}") < \
         text.index(f"## {report.TASKS_TITLE}")
     assert (tmp_path / "results" / "tuned_seeds.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_study_paused_by_a_signal_says_it_is_not_finished_and_gives_no_answer(tmp_path):
+    """A SIGTERM's stop is recorded as `stopped by SIGTERM during look 1`: not where the design stopped."""
+    run_sweeper(tmp_path, {"standard": 3.0, "block": 2.05}, "residual=standard,block", "seeds.on_demand=true",
+                "verdict.margin=1.06%", stop_after=0, stop_at_job=5, method="given", given=GIVEN)
+    out = tmp_path / "runs"
+    out.mkdir()
+    (tmp_path / "sweep").rename(out / part.FOLDER)
+    assert sequential.read_record(out / part.FOLDER)["stopped"].startswith("stopped by SIGTERM during look 1")
+    body = "\n".join(part.section(out, tmp_path / "figs")[0])
+    assert "Not finished: look 1: seeds 0-2, 2 of its seeds with both arms so far; " \
+           "`python experiments/reproduce/run.py --parts tuned_seeds` continues it (resume)." in body
+    assert "Where it stopped" not in body and "not resolved yet at 2 seeds" in body

@@ -110,10 +110,11 @@ def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str
     ]
     looked = "; ".join(f"look {i}: seeds {look[0]}-{look[-1]}" for i, look in enumerate(looks, 1))
     stopped = design.get("stopped")
-    if stopped:
+    if stopped and not stopped.startswith("stopped by"):  # the design's own stop, not a signal's pause
         text.append(f"Where it stopped: {stopped} ({looked}).")
     else:
-        text.append(f"Still running: {looked or 'no look yet'}; `{RUN}` continues it (resume).")
+        text.append(f"Not finished: {looked or 'no look yet'}, {len(gaps)} of its seeds with both arms so far; "
+                    f"`{RUN}` continues it (resume).")
     if lines:
         text += ["", "The sweep's own verdict line (val/bpb, the runs' primary metric; its stopping rule):", "",
                  "```text", lines[0], "```"]
