@@ -53,7 +53,7 @@ def test_the_section_pairs_the_seeds_gives_the_designs_interval_and_the_answer(t
     mean = statistics.fmean(gaps.values())
     assert f"**{mean:+.2f}% [" in body and "the design's repeated 95% interval at look 1" in body
     # +0.25% with a spread of rounding: above 0, below the 1.06% margin, as the sweep's own line says
-    assert "Margin verdict (1.06%): **worse, by less than the margin**" in body
+    assert "Verdict at the 1.06% margin: **worse, by less than the margin**" in body
     assert "**The answer**: Block AttnRes is worse once both are tuned, by less than the margin (1.06%), " \
            "from 3 seeds." in body
     assert "Where it stopped: stopped at 3 seeds (look 1): every comparison resolved (look 1: seeds 0-2)." in body
