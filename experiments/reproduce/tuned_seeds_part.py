@@ -14,15 +14,15 @@ answer in one sentence.
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 import records
-from scipy import stats
+from study import Effect
 from tuned_part import verdict_runs
 
+from attnres.atomic import read_json
 from attnres.results import power, sequential, tuning
 from attnres.results.tuned_summary import write_tuned_summary
 from attnres.results.verdict import (
@@ -64,16 +64,6 @@ def per_seed_gaps(runs: list[dict[str, Any]]) -> tuple[dict[int, float], dict[in
     return {s: 100 * (b - a) / base for s, (a, b) in pairs.items()}, pairs
 
 
-def fixed_interval(gaps: dict[int, float]) -> tuple[float, float, float] | None:
-    """Mean and 95% paired t interval of `gaps` as one fixed-size study (valid only on its own)."""
-    values = list(gaps.values())
-    if len(values) < 2:
-        return None
-    mean, se = statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
-    half = float(stats.t.ppf(0.975, len(values) - 1)) * se
-    return mean, mean - half, mean + half
-
-
 def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str], list[str]]:
     """The section's text (no claim line: it answers section 7's question, whose claim stands there)."""
     sweep = out / FOLDER
@@ -85,8 +75,6 @@ def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str
         if record is not None:
             records.write_record(record, FOLDER, runs, f"runs/{FOLDER}", {"seeds": design, "verdict": lines[:1]})
     elif record is not None and (record / f"{FOLDER}.json").is_file():
-        from attnres.atomic import read_json
-
         saved = read_json(record / f"{FOLDER}.json")
         runs, extra = list(saved.get("runs", [])), saved.get("extra") or {}
         design, lines = extra.get("seeds") or {}, list(extra.get("verdict") or [])
@@ -133,12 +121,11 @@ def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str
                      + (f", would need {need} seeds in a fixed-size study to resolve the margin with 80% power."
                         if need else ".")]
         text += ["", "**The answer**: " + _answer(words, bool(design.get("final")), n, need) + "."]
-    first = {s: 100 * (b - a) / a for s, (a, b) in pairs.items() if s in range(5)}  # as section 7 paired them
-    check = fixed_interval(first) if len(first) == 5 else None
-    if check:
+    first = Effect({s: 100 * (b - a) / a for s, (a, b) in pairs.items() if s in range(5)})  # as section 7's
+    if first.n == 5:
         text += ["", f"A check against section 7: seeds 0 to 4 alone, as a fixed 5-seed paired t interval: "
-                     f"{check[0]:+.2f}% [{check[1]:+.2f}, {check[2]:+.2f}]; section 7 printed {SECTION_7} from the "
-                     "runs another machine trained at the same settings."]
+                     f"{first.text()}; section 7 printed {SECTION_7} from the runs another machine trained at the "
+                     "same settings."]
     text += ["", "Where this does not hold: one shape (8 layers of width 40), one length (2,400 steps), one corpus; "
                  "only the lr was tuned, on a grid a factor of 2 apart (section 7), so each arm sits within a factor "
                  "of about 1.4 of its optimum."]
