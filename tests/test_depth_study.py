@@ -97,17 +97,29 @@ def test_a_tiny_study_finishes_on_cpu_and_the_section_reads_it(tmp_path):
                      "callbacks=none", f"hydra.sweep.dir={tmp_path / 'runs' / depth_part.FOLDER}",
                      cwd=tmp_path, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
+    # the part's 48-sublayer sweep: each arm at its 24-sublayer choice, through the real given sweeper
+    carried = depth_part.carried_overrides(tmp_path / "runs")
+    assert carried == ("hydra.sweeper.given={standard:{optim.optimizer.lr:0.012},"
+                       "depth_scaled:{optim.optimizer.lr:0.012}}",)
+    result = run_cli("-m", "experiment=depth_study", "depth=L48", "residual=standard,depth_scaled",
+                     "hydra.sweeper.method=given", *carried, "seeds.on_demand=false", "seed=0,1",
+                     "shapes.cpu.steps=3", "shapes.cpu.val_every=3", "shapes.cpu.warmup=1",
+                     "data.max_files=40", "data.val_batches=1", "logger=none", "callbacks=none",
+                     f"hydra.sweep.dir={tmp_path / 'runs' / depth_part.CARRIED}", cwd=tmp_path, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no search (hydra.sweeper.method=given)" in result.stdout + result.stderr
     text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs")
-    rows = [line for line in text if line.startswith("| 8 |") or line.startswith("| 24 |")]
-    assert len(rows) == 2 and all("| depth_scaled |" in row and "| 0, 1 |" in row for row in rows)
+    rows = [line for line in text if line.split(" | ")[0] in ("| 8", "| 24", "| 48")]
+    assert len(rows) == 3 and all("| depth_scaled |" in row and "| 0, 1 |" in row for row in rows)
     assert "| 8 | " in rows[0] and "+0.00% [+0.00, +0.00]" in rows[0]  # m = 1 at the base depth: the same runs
+    assert "| 0.012, carried from 24 (0.012) |" in rows[2]
     assert (tmp_path / "figs" / "depth_tuned.png").is_file()
 
 
 # -- the section, from synthetic run folders --------------------------------------------------------------
-def _fake_sweep(out, losses, lrs, tokens=1_638_400):
-    """out/depth_tuned as a tuned sweep writes it: losses[(residual, L)] = {seed: val/loss}."""
-    sweep = out / depth_part.FOLDER
+def _fake_sweep(out, losses, lrs, tokens=1_638_400, folder=depth_part.FOLDER):
+    """out/depth_tuned (or `folder`) as a tuned sweep writes it: losses[(residual, L)] = {seed: val/loss}."""
+    sweep = out / folder
     arms, groups = [], []
     for (residual, L), per_seed in losses.items():
         label = f"{residual} depth=L{L}"
@@ -154,7 +166,8 @@ def test_the_section_pairs_each_arm_with_the_standard_at_each_depth(tmp_path):
     assert "| better by at least the margin |" in table[48, "block"]  # -3.3% with a tight interval
     assert "| +0.00% [+0.00, +0.00] | equivalent within the margin |" in table[8, "depth_scaled"]
     answers = "\n".join(text)
-    assert "Does the tuned gain grow with depth here? yes: the gap is lower by" in answers
+    assert "Does the tuned gain grow with depth here? yes: the gap moves by -" in answers
+    assert "from 8 to 48 sublayers, in the arm's favour" in answers
     assert "Does depth_scaled (" in answers and "it does not show it" in answers
     assert (tmp_path / "figs" / "depth_tuned.png").is_file()
 
@@ -223,4 +236,59 @@ def test_seeds_on_demand_give_the_designs_repeated_interval(tmp_path):
     assert f"[{low:+.2f}, {high:+.2f}]" in row, row
     plain = stats.t.ppf(0.975, 3) * statistics.stdev(d.values()) / math.sqrt(4)
     assert high - low > 2 * plain  # wider than the fixed-n interval a naive look would print
-    assert "repeated interval" in text[0] and "looks: 0, 1, 2; 3" in text[0]
+    assert "repeated interval" in text[0] and "looks at 8 sublayers: 0, 1, 2; 3)" in text[0]
+
+
+# -- the 48-sublayer sweep, at each arm's 24-sublayer choice -------------------------------------------------
+def test_the_deepest_sweep_is_given_each_arms_choice_one_depth_shallower(tmp_path):
+    lrs = {("standard", 8): 0.012, ("block", 8): 0.012, ("standard", 24): 0.006, ("block", 24): 0.024}
+    _fake_sweep(tmp_path, {k: {0: 3.0} for k in lrs}, lrs)
+    assert depth_part.carried_overrides(tmp_path) == \
+        ("hydra.sweeper.given={standard:{optim.optimizer.lr:0.006},block:{optim.optimizer.lr:0.024}}",)
+
+
+def test_the_deepest_sweep_waits_for_every_arms_choice(tmp_path):
+    with pytest.raises(ValueError, match=r"has not chosen any yet: run the part again to finish its search first"):
+        depth_part.carried_overrides(tmp_path)  # no sweep at all
+    lrs = {("standard", 24): 0.012, ("block", 24): None, ("block_static", 24): None, ("standard", 8): 0.012}
+    _fake_sweep(tmp_path, {k: {0: 3.0} for k in lrs}, lrs)
+    with pytest.raises(ValueError, match=r"has not chosen those of block, block_static yet"):
+        depth_part.carried_overrides(tmp_path)
+
+
+def test_the_section_reads_both_sweeps_and_says_what_was_carried(tmp_path):
+    from attnres.results import sequential
+
+    std = {0: 3.00, 1: 3.02, 2: 2.98}
+    shallow = {("standard", 8): std, ("block", 8): {0: 2.99, 1: 3.01, 2: 2.97},
+               ("standard", 24): std, ("block", 24): {0: 2.96, 1: 2.98, 2: 2.95}}
+    _fake_sweep(tmp_path / "runs", shallow, {("standard", 8): 0.012, ("block", 8): 0.012,
+                                             ("standard", 24): 0.012, ("block", 24): 0.006})
+    deep = {("standard", 48): std, ("block", 48): {0: 2.90, 1: 2.92, 2: 2.91, 3: 2.9}}
+    deep["standard", 48] = {**std, 3: 3.0}
+    _fake_sweep(tmp_path / "runs", deep, {("standard", 48): 0.012, ("block", 48): 0.006},
+                folder=depth_part.CARRIED)
+    design = {"design": {"first": 0, "start": 3, "batch": 1, "max": 4, "alpha": 0.05}, "looks": [[0, 1, 2], [3]],
+              "final": True}
+    (tmp_path / "runs" / depth_part.CARRIED / sequential.RECORD).write_text(json.dumps(design))
+    kept = tmp_path / "results"
+    text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs", record=kept)
+    rows = {int(r.split(" | ")[0][2:]): r for r in text if re.match(r"\| (8|24|48) \|", r)}
+    assert set(rows) == {8, 24, 48}
+    assert "| 0.006, carried from 24 (0.012) |" in rows[48] and "carried" not in rows[24]
+    assert rows[48].endswith("| 0, 1, 2, 3 |") and rows[24].endswith("| 0, 1, 2 |")
+    d = {s: 100 * (deep["block", 48][s] - deep["standard", 48][s]) / deep["standard", 48][s] for s in range(4)}
+    low, high = sequential.repeated_interval(d, design["looks"], 4, 0.05, True)  # the 48 sweep's own design
+    assert f"[{low:+.2f}, {high:+.2f}]" in rows[48]
+    assert "[" in rows[24] and f"[{low:+.2f}" not in rows[24]
+    assert "At 48 sublayers there was no search: each arm ran at the lr it chose at 24" in text[0]
+    assert "standard 0.012 at both; block 0.012 -> 0.006." in text[0]
+    assert "looks at 48 sublayers: 0, 1, 2; 3)" in text[0]
+    saved = json.loads((kept / "depth_tuned.json").read_text())
+    assert {r["sweep"] for r in saved["runs"]} == {depth_part.FOLDER, depth_part.CARRIED}
+    assert saved["extra"]["seeds"][depth_part.CARRIED] == design
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")  # another machine: the record alone gives the same rows
+    again, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs2", record=kept)
+    assert [r for r in again if re.match(r"\| (8|24|48) \|", r)] == [rows[8], rows[24], rows[48]]

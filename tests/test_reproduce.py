@@ -223,7 +223,8 @@ def test_running_one_part_where_the_others_runs_are_absent_keeps_their_sections(
     written, kept = report.update_report(tmp_path / "runs", ["tasks"])
     text = written.read_text()
     assert kept.startswith("REPORT.md kept as written: part(s) ordering, blocksize, depth, ladder, tuned, "
-                           "tuned_seeds, depth_tuned have no runs in ") and "section(s) of part(s) tasks updated" in kept
+                           "tuned_seeds, depth_tuned have no runs in ")
+    assert "section(s) of part(s) tasks updated" in kept
     original = (HERE / "REPORT.md").read_text()
     assert original.split("## Training length")[1].split("## 8.")[0].split("## Not run at")[0] == \
         text.split("## Training length")[1].split("## 8.")[0]  # sections 1 to 7 as they were
@@ -329,3 +330,6 @@ def test_every_parts_sweep_composes_and_passes_the_runners_checks(part, token_fo
     data = [f"data.path={token_folder}"] if part in run.NEEDS_DATA else []  # part prepare's folder is not here
     for sweep in next(p for p in run.PARTS if p.name == part).sweeps:
         check_command_line(["-m", f"hydra.searchpath=[file://{run.CONF}]", *sweep.overrides, *data], REPO / "conf")
+        if sweep.carried:  # decided by the part's earlier sweep: not before it has run (tests/test_depth_study.py)
+            with pytest.raises(ValueError, match="run the part again"):
+                sweep.carried(token_folder.parent / "no runs here")

@@ -1,14 +1,17 @@
 """Part `depth_tuned` of the CPU study (experiments/reproduce/run.py --parts depth_tuned; issue 51):
 does a tuned Block AttnRes gain grow with depth, and is it the routing or the bounded scale?
 
-The runs are `attnres-run -m experiment=depth_study` (conf/experiment/depth_study.yaml: standard,
-Block N=8, and the controls depth_scaled and block_static at 8, 24 and 48 sublayers of width 40,
-each arm and depth with its own lr grid, then the verdict seeds at its choice). This module turns
-the sweep folder into the report's section: per depth, each arm minus the standard residual, both
-at their own best lr, as a share of the standard's val/loss, paired by seed, with a 95% interval
-held jointly over the arms of a depth (Bonferroni), the margin verdict of docs/sweeps.md#verdicts
-(0.5% of the baseline) and the seeds used; a figure of the gap against depth, one line per arm;
-and the plain answers. `section(out, figs)` is all report.py needs.
+The runs are two sweeps of `attnres-run -m experiment=depth_study` (conf/experiment/depth_study.yaml:
+standard, Block N=8, and the controls depth_scaled and block_static, width 40): at 8 and 24 sublayers
+each arm and depth searches its own lr grid, then runs the verdict seeds at its choice (folder
+`depth_tuned`); at 48 sublayers each arm runs the verdict seeds at the lr it chose at 24, without a
+search (`hydra.sweeper.method=given`, folder `depth_tuned_L48`; `carried_overrides`): the 48-sublayer
+grids alone would have cost about two of the part's four hours (section text: why, and what it
+risks). This module turns the sweep folders into the report's section: per depth, each arm minus
+the standard residual, both at their own best lr, as a share of the standard's val/loss, paired
+by seed, with a 95% interval held jointly over the arms of a depth (Bonferroni), the margin verdict
+of docs/sweeps.md#verdicts (0.5% of the baseline) and the seeds used; a figure of the gap against
+depth, one line per arm; and the plain answers. `section(out, figs)` is all report.py needs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from attnres.results import sequential, tuning
 from attnres.results.verdict import few_seeds, margin_verdict
 
 FOLDER = "depth_tuned"
+CARRIED = "depth_tuned_L48"  # the deepest depth's sweep: each arm at the lr it chose one depth shallower
+CARRY = ("L24", "L48")  # (the depth whose choices are carried, the depth that runs at them)
 TITLE = "9. Where and why: the tuned gain against depth, and its controls"
 BASELINE = "standard"
 #: the arms in the order the section lists them, with what each one keeps of Block AttnRes
@@ -92,8 +97,10 @@ def _override(overrides: Sequence[str], key: str) -> str | None:
 
 
 def read_arms(sweep: Path) -> dict[tuple[str, int], dict[str, Any]]:
-    """(residual, sublayers) -> {"lr", "edge", "runs": {seed: metrics.json}} of a tuned depth sweep."""
+    """(residual, sublayers) -> {"lr", "edge", "runs": {seed: metrics.json}, "design": its seeds.json,
+    "sweep": the folder's name} of a tuned depth sweep."""
     state = tuning.read_state(sweep)
+    design = sequential.read_record(sweep)
     groups = {g["label"]: g for g in state.get("groups", [])}
     found: dict[tuple[str, int], dict[str, Any]] = {}
     for arm in state.get("arms", []):
@@ -108,8 +115,33 @@ def read_arms(sweep: Path) -> dict[tuple[str, int], dict[str, Any]]:
                 runs[int(seed)] = metrics
         found[residual, _sublayers(depth)] = {
             "lr": (group.get("chosen_values") or {}).get("optim.optimizer.lr"), "edge": group.get("edge"),
-            "runs": runs, "seeds": len(arm.get("jobs", {}))}
+            "runs": runs, "seeds": len(arm.get("jobs", {})), "design": design, "sweep": sweep.name}
     return found
+
+
+def read_all(out: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """read_arms of both sweeps of the part (the deepest depth's carried sweep second)."""
+    return {**read_arms(out / FOLDER), **read_arms(out / CARRIED)}
+
+
+def given_override(lrs: Mapping[str, float]) -> str:
+    """`hydra.sweeper.given=...` setting each arm (by residual) at its lr."""
+    arms = ",".join(f"{arm}:{{optim.optimizer.lr:{lr:g}}}" for arm, lr in lrs.items())
+    return f"hydra.sweeper.given={{{arms}}}"
+
+
+def carried_overrides(out: Path) -> tuple[str, ...]:
+    """The carried sweep's `given`: each arm's lr as the search of `out / FOLDER` chose it at CARRY[0].
+    ValueError (one line naming the fix) while that search has not chosen every arm's."""
+    arms = read_arms(out / FOLDER)
+    source = _sublayers(CARRY[0])
+    lrs = {arm: found["lr"] for (arm, depth), found in arms.items() if depth == source}
+    missing = sorted(arm for arm, lr in lrs.items() if not isinstance(lr, (int, float)))
+    if not lrs or missing:
+        raise ValueError(f"{CARRIED} runs each arm at the lr it chose at {CARRY[0]}, and {out / FOLDER} has not "
+                         f"chosen {'those of ' + ', '.join(missing) if missing else 'any'} yet: run the part "
+                         "again to finish its search first")
+    return (given_override(lrs),)
 
 
 def _sublayers(depth: Any) -> int:
@@ -126,7 +158,8 @@ def record_rows(sweep: Path) -> list[dict[str, Any]]:
         overrides = group.get("overrides", [])
         residual, depth = _override(overrides, "residual"), _override(overrides, "depth")
         for trial in group.get("trials", []):
-            rows.append({"stage": "search", "residual": residual, "depth": depth, "seed": trial.get("seed"),
+            rows.append({"stage": "search", "sweep": sweep.name, "residual": residual, "depth": depth,
+                         "seed": trial.get("seed"),
                          "lr": (trial.get("values") or {}).get("optim.optimizer.lr"), "status": trial.get("status"),
                          "val/loss": trial.get("value"), "job": trial.get("job")})
     for arm in state.get("arms", []):
@@ -134,7 +167,8 @@ def record_rows(sweep: Path) -> list[dict[str, Any]]:
         group = groups.get(arm.get("group", arm["label"]), {})
         for seed, job in arm.get("jobs", {}).items():
             found = read_json(sweep / job / "metrics.json")
-            rows.append({"stage": "verdict", "residual": residual, "depth": depth, "seed": int(seed),
+            rows.append({"stage": "verdict", "sweep": sweep.name, "residual": residual, "depth": depth,
+                         "seed": int(seed),
                          "lr": (group.get("chosen_values") or {}).get("optim.optimizer.lr"), "edge": group.get("edge"),
                          "status": found.get("status", "unfinished"),
                          "val/loss": (found.get("metrics") or {}).get("val/loss"),
@@ -144,14 +178,18 @@ def record_rows(sweep: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def arms_from_record(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
-    """read_arms' answer rebuilt from results/depth_tuned.json's verdict rows (no runs on this machine)."""
+def arms_from_record(rows: Sequence[Mapping[str, Any]],
+                     designs: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    """read_all's answer rebuilt from results/depth_tuned.json's verdict rows and its sweeps' seeds.json
+    (`designs`, by sweep folder), with no runs on this machine."""
     found: dict[tuple[str, int], dict[str, Any]] = {}
     for row in rows:
         if row.get("stage") != "verdict" or row.get("residual") is None or row.get("depth") is None:
             continue
+        sweep = row.get("sweep", FOLDER)
         arm = found.setdefault((row["residual"], _sublayers(row["depth"])),
-                               {"lr": row.get("lr"), "edge": row.get("edge"), "runs": {}, "seeds": 0})
+                               {"lr": row.get("lr"), "edge": row.get("edge"), "runs": {}, "seeds": 0,
+                                "design": designs.get(sweep) or {}, "sweep": sweep})
         arm["seeds"] += 1
         loss = row.get("val/loss")
         if row.get("status") == "finished" and isinstance(loss, float) and math.isfinite(loss):
@@ -161,10 +199,9 @@ def arms_from_record(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int],
     return found
 
 
-def gaps(arms: Mapping[tuple[str, int], Mapping[str, Any]],
-         design: Mapping[str, Any] | None = None) -> dict[tuple[str, int], Gap]:
+def gaps(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> dict[tuple[str, int], Gap]:
     """Each non-standard arm against the standard at the same depth, paired by seed; the intervals of
-    one depth hold together (1 - 0.05 / K for its K arms); `design`: the sweep's seeds.json."""
+    one depth hold together (1 - 0.05 / K for its K arms), each under its sweep's seeds.json."""
     out = {}
     for depth in sorted({d for _, d in arms}):
         base = arms.get((BASELINE, depth), {}).get("runs", {})
@@ -174,7 +211,7 @@ def gaps(arms: Mapping[tuple[str, int], Mapping[str, Any]],
             seeds = sorted(set(mine) & set(base))
             loss = {s: (mine[s]["metrics"]["val/loss"], base[s]["metrics"]["val/loss"]) for s in seeds}
             out[arm, depth] = Gap(arm, depth, {s: 100 * (a - b) / b for s, (a, b) in loss.items()},
-                                  max(1, len(others)), design or None)
+                                  max(1, len(others)), arms[arm, depth].get("design") or None)
     return out
 
 
@@ -187,7 +224,8 @@ def growth(shallow: Gap, deep: Gap) -> str:
     low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
     span = f"{statistics.fmean(a) - statistics.fmean(b):+.2f} points [{low:+.2f}, {high:+.2f}]"
     if high < 0:
-        return f"yes: the gap is lower by {span} at {deep.sublayers} sublayers than at {shallow.sublayers}"
+        return (f"yes: the gap moves by {span} from {shallow.sublayers} to {deep.sublayers} sublayers, "
+                "in the arm's favour")
     if low > 0:
         return f"no, it shrinks: {span} at {deep.sublayers} sublayers against {shallow.sublayers}"
     return f"not resolved: {span} from {shallow.sublayers} to {deep.sublayers} sublayers"
@@ -233,30 +271,29 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
     one of the paper's claims), from `out / depth_tuned`. With `record` (report.py: results/ beside
     REPORT.md), the runs found are kept in `record/depth_tuned.json`, and where there are none (another
     machine trained them) the section is built from that record instead."""
-    sweep = out / FOLDER
-    arms, design, source = read_arms(sweep), sequential.read_record(sweep), ""
+    arms, source = read_all(out), ""
     if arms and record is not None:
-        records.write_record(record, FOLDER, record_rows(sweep), f"runs/{FOLDER}", {"seeds": design})
+        rows = [row for name in (FOLDER, CARRIED) for row in record_rows(out / name)]
+        designs = {name: sequential.read_record(out / name) for name in (FOLDER, CARRIED)}
+        records.write_record(record, FOLDER, rows, f"runs/{FOLDER} and runs/{CARRIED}", {"seeds": designs})
     elif not arms and record is not None and (record / f"{FOLDER}.json").is_file():
         saved = read_json(record / f"{FOLDER}.json")
-        arms, design = arms_from_record(saved.get("runs", [])), (saved.get("extra") or {}).get("seeds") or {}
+        arms = arms_from_record(saved.get("runs", []), (saved.get("extra") or {}).get("seeds") or {})
         source = (f" Built from {record.name}/{FOLDER}.json, the per-run record of {saved.get('source')} "
                   f"(written {saved.get('written')}), not from the runs themselves.")
     if not arms:
         return [f"Not run yet: `{RUN}`."], []
-    found = gaps(arms, design)
+    found = gaps(arms)
     depths = sorted({d for _, d in arms})
     text = ["Standard, Block AttnRes (N = 8 at every depth, as the paper sets it; at 8 sublayers that is Full "
             "AttnRes) and the controls of docs/strategies.md#controls, at 8, 24 and 48 sublayers of width 40 "
             "(`attnres-run -m experiment=depth_study`: byte-level stdlib, 800 steps of 16 x 128 bytes). Each arm "
-            "at each depth tuned its own lr on a 3-point grid (factor 2 around 0.012, grown at an edge) on tuning "
-            "seeds 1000 and 1001, then ran the verdict seeds at its choice. Gaps: arm minus standard, both at "
+            "at 8 and 24 sublayers tuned its own lr on a 3-point grid (factor 2 around 0.012, grown at an edge) "
+            "on tuning seeds 1000 and 1001, then ran the verdict seeds at its choice. " + _carry_text(arms)
+            + " Gaps: arm minus standard, both at "
             f"their best, as a share of the standard's val/loss, paired by seed; the intervals of a depth hold "
             f"together (Bonferroni over its arms); the margin is {MARGIN_PCT}% (docs/sweeps.md#verdicts)."
-            + (f" The seeds came on demand ({sequential.describe(design['design'])}; looks: "
-               f"{'; '.join(', '.join(map(str, look)) for look in design.get('looks', []))}), so each interval is the "
-               "design's repeated interval, valid whichever look the sweep stopped at." if design.get("design") else "")
-            + source, "",
+            + _seeds_text(arms) + source, "",
             "| sublayers | tokens per parameter | arm | chosen lr (standard's) | gap [interval] | verdict | seeds |",
             "|---|---|---|---|---|---|---|"]
     for depth in depths:
@@ -269,6 +306,8 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
         for arm in [a for a in ARMS if (a, depth) in found]:
             g, lr = found[arm, depth], arms[arm, depth]
             edge = ", on the grid's edge" if lr.get("edge") else ""
+            if lr.get("sweep") == CARRIED:
+                edge = f", carried from {_sublayers(CARRY[0])}"
             seeds = ", ".join(map(str, sorted(g.per_seed))) or "none"
             text.append(f"| {depth} | {ratio} | {arm} | {_lr(lr.get('lr'))}{edge} ({_lr(base.get('lr'))}) | "
                         f"{g.text()} | {g.verdict()} | {seeds} |")
@@ -280,6 +319,37 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
         print(f"report: the depth figure was not drawn ({type(err).__name__}: {err})")
     text += _answers(found, depths)
     return text, []
+
+
+def _carry_text(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> str:
+    """What the carried depth ran at, and how far each arm's choice moved between the searched depths."""
+    shallow, source, deep = 8, _sublayers(CARRY[0]), _sublayers(CARRY[1])
+    moves = []
+    for arm in [BASELINE, *ARMS]:
+        a, b = (arms.get((arm, d), {}).get("lr") for d in (shallow, source))
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            moves.append(f"{arm} {_lr(a)} -> {_lr(b)}" if a != b else f"{arm} {_lr(a)} at both")
+    moved = (f" From {shallow} to {source} sublayers the searches chose: {'; '.join(moves)}." if moves else "")
+    return (f"At {deep} sublayers there was no search: each arm ran at the lr it chose at {source} "
+            f"(`hydra.sweeper.method=given`), because the {deep}-sublayer grids alone would have cost about two "
+            f"of the part's four hours.{moved} An arm whose best lr moves again between {source} and {deep} "
+            f"sublayers runs there off its best (the transfer study saw at most one grid step, a factor of 2, "
+            f"across a fourfold depth), which favours the arm whose best moves least.")
+
+
+def _seeds_text(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> str:
+    designs: dict[str, tuple[list[int], Mapping[str, Any]]] = {}
+    for (_, depth), arm in sorted(arms.items(), key=lambda item: item[0][1]):
+        if (arm.get("design") or {}).get("design"):
+            designs.setdefault(arm["sweep"], ([], arm["design"]))[0].append(depth)
+    if not designs:
+        return ""
+    looks = ", and ".join(f"at {' and '.join(map(str, sorted(set(depths))))} sublayers: "
+                          + "; ".join(", ".join(map(str, look)) for look in design.get("looks", []))
+                          for depths, design in designs.values())
+    first = next(iter(designs.values()))[1]["design"]
+    return (f" The seeds came on demand ({sequential.describe(first)}; looks {looks}), so each interval is "
+            "the design's repeated interval, valid whichever look the sweep stopped at.")
 
 
 def _lr(value: Any) -> str:
@@ -303,7 +373,8 @@ def _answers(found: Mapping[tuple[str, int], Gap], depths: Sequence[int]) -> lis
                      f"standard ({g.verdict()}): it {same}.")
     lines += ["", "What this scale cannot show: one width (40) and one token budget for every depth, so the "
               "deepest models see the fewest tokens per parameter (the table) and the gap there mixes depth "
-              "with under-training; 800 steps of 128-byte sequences, far from the paper's 8,192-token context "
+              "with under-training; at 48 sublayers each arm's lr carried from 24, not searched; "
+              "800 steps of 128-byte sequences, far from the paper's 8,192-token context "
               "and 38.7B tokens; the lr alone tuned (warm-up, weight decay, the queries' lr scale fixed); three "
               "to four verdict seeds (seeds on demand stop at the budget's maximum, resolved or not). A gain "
               "that needs width or data to appear cannot appear here, and a null here is not "

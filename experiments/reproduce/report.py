@@ -131,7 +131,7 @@ def splice(title: str, text: list[str], claims: list[str], old_claim: str, part:
 
 
 DEPTH_ROW = ("| depth_tuned | standard, Block N=8, depth_scaled, block_static at 8, 24, 48 sublayers: a 3-point "
-             "lr grid each, then 3 seeds at each best | {} |")
+             "lr grid each at 8 and 24, carried from 24 to 48, then 3 or 4 seeds at each best | {} |")
 
 
 def splice_depth_tuned(out: Path) -> Path:

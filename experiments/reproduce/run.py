@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,9 @@ CONF = HERE / "conf"
 class Sweep:
     folder: str  # under the output folder
     overrides: tuple[str, ...]
+    #: overrides that an earlier sweep of the part decides: (the output folder) -> them; a ValueError
+    #: (one line naming the fix) while that sweep has not decided them
+    carried: Callable[[Path], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,15 @@ STUDY = ("experiment=repro_study",)
 TUNED_CHOICES = "{standard:{optim.optimizer.lr:0.024},block:{optim.optimizer.lr:0.012}}"
 #: the paper's smallest Table 2 gain of Block AttnRes over the baseline (1.06% of its loss)
 TUNED_MARGIN = "1.06%"
+
+
+def depth_carried(out: Path) -> tuple[str, ...]:
+    """Part depth_tuned's 48-sublayer sweep: each arm at the lr its 24-sublayer search chose."""
+    from depth_part import carried_overrides  # experiments/reproduce/depth_part.py, beside this file
+
+    return carried_overrides(out)
+
+
 PARTS = (
     Part("prepare", "tokenized stdlib, a 1,024-token byte-level BPE", ()),
     Part("ordering", "the loss ordering of standard, Block (N=4, S=4) and Full at the deep shape; magnitudes and "
@@ -90,9 +103,11 @@ PARTS = (
          (Sweep("tasks", ("experiment=synthetic_depth", "residual=standard,block", SEEDS,
                           "eval.tasks=[attnres_pointer]")),)),
     Part("depth_tuned", "where and why (issue 51): standard, Block N=8 and two controls (depth_scaled, block_static) "
-                        "at 8, 24 and 48 sublayers of width 40, each arm and depth at its own lr "
-                        "(experiment=depth_study; depth_part.py); about 3.5 hours",
-         (Sweep("depth_tuned", ("experiment=depth_study",)),)),
+                        "at 8, 24 and 48 sublayers of width 40, each arm at its own lr: searched at 8 and 24, "
+                        "carried from 24 to 48 (experiment=depth_study; depth_part.py); about 4 hours",
+         (Sweep("depth_tuned", ("experiment=depth_study", "depth=L8,L24")),
+          Sweep("depth_tuned_L48", ("experiment=depth_study", "depth=L48", "hydra.sweeper.method=given"),
+                carried=depth_carried))),
 )
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # what call_forwarding returns after Ctrl-C or a kill
 #: the parts that read the tokenized stdlib
@@ -147,8 +162,13 @@ def call_forwarding(command: list[str], cwd: Path) -> int:
 
 
 def run_sweep(sweep: Sweep, out: Path, jobs: int | None) -> int:
+    try:
+        carried = sweep.carried(out) if sweep.carried else ()
+    except ValueError as err:
+        print(f"run.py: {sweep.folder} not started: {err}", file=sys.stderr, flush=True)
+        return 1
     command = [sys.executable, "-m", "attnres", "-m", f"hydra.searchpath=[file://{CONF}]", *sweep.overrides,
-               f"hydra.sweep.dir={out / sweep.folder}", "resume=true", "trainer.enable_progress_bar=false"]
+               *carried, f"hydra.sweep.dir={out / sweep.folder}", "resume=true", "trainer.enable_progress_bar=false"]
     if jobs:
         command.append(f"hydra.launcher.cpu_jobs={jobs}")
     print("+ " + " ".join(command[1:]), flush=True)
