@@ -52,6 +52,7 @@ def test_the_section_pairs_the_seeds_gives_the_designs_interval_and_the_answer(t
         assert f"| {s} | {std:.4f} | {blk:.4f} | {gaps[s]:+.2f}% |" in text
     mean = statistics.fmean(gaps.values())
     assert f"**{mean:+.2f}% [" in body and "the design's repeated 95% interval at look 1" in body
+    assert "infinite because" not in body  # a finite interval says nothing of it
     # +0.25% with a spread of rounding: above 0, below the 1.06% margin, as the sweep's own line says
     assert "Verdict at the 1.06% margin: **worse, by less than the margin**" in body
     assert "**The answer**: Block AttnRes is worse once both are tuned, by less than the margin (1.06%), " \
@@ -101,3 +102,5 @@ def test_a_study_paused_by_a_signal_says_it_is_not_finished_and_gives_no_answer(
     assert "Not finished: look 1: seeds 0-2, 2 of its seeds with both arms so far; " \
            "`python experiments/reproduce/run.py --parts tuned_seeds` continues it (resume)." in body
     assert "Where it stopped" not in body and "not resolved yet at 2 seeds" in body
+    assert "[-inf, +inf]** (2 seeds; the design's repeated 95% interval at look 1, valid whichever look it " \
+           "stopped at; infinite because the design spends almost none of its 5% at the early looks" in body

@@ -168,7 +168,10 @@ def repeated_interval(diffs: Mapping[Any, float], looks: Sequence[Sequence[Any]]
         return None
     values = [float(v) for v in diffs.values()]
     mean, se = statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
-    half = t_multipliers(sizes, max_size, alpha, final)[-1] * se
+    multiplier = t_multipliers(sizes, max_size, alpha, final)[-1]
+    if math.isinf(multiplier):  # the design spent nothing at this look: unbounded, even where the pairs agree
+        return -math.inf, math.inf
+    half = multiplier * se
     return mean - half, mean + half
 
 

@@ -84,3 +84,14 @@ def test_apply_replaces_the_interval_with_the_repeated_one_and_says_so():
                            mean=0.1, diffs={0: 0.1})
     sequential.apply([untouched], record)
     assert untouched.ci is None and not untouched.notes
+
+
+def test_a_look_that_spends_nothing_gives_an_unbounded_interval_even_when_the_pairs_agree():
+    """2 of 17 seeds: O'Brien-Fleming spends (to float precision) none of alpha there, so the t multiplier is
+    infinite; identical pairs (sd 0) must not turn inf x 0 into a NaN interval."""
+    assert math.isinf(sequential.t_multipliers([2], 17, 0.05, False)[-1])
+    assert sequential.repeated_interval({0: 0.25, 1: 0.25}, [[0, 1]], 17, 0.05, False) == (-math.inf, math.inf)
+    assert sequential.repeated_interval({0: 0.2, 1: 0.3}, [[0, 1]], 17, 0.05, False) == (-math.inf, math.inf)
+    low, high = sequential.repeated_interval({s: 0.25 + 0.01 * s for s in range(17)}, [list(range(17))], 17,
+                                             0.05, True)
+    assert math.isfinite(low) and low < 0.33 < high  # a look that spends gives a finite one
