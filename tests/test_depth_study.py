@@ -292,3 +292,25 @@ def test_the_section_reads_both_sweeps_and_says_what_was_carried(tmp_path):
     shutil.rmtree(tmp_path / "runs")  # another machine: the record alone gives the same rows
     again, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs2", record=kept)
     assert [r for r in again if re.match(r"\| (8|24|48) \|", r)] == [rows[8], rows[24], rows[48]]
+
+
+@pytest.mark.parametrize(("part", "says"), [
+    ({"wall_s": 5 * 3600.0, "complete": False},
+     "The part's budget of 4 hours was spent (5.00 h of wall time, on a machine other work shared for part of it) "
+     "before every run finished"),
+    ({"wall_s": 3600.0, "complete": False}, "Not finished: 1.00 h of its 4-hour budget spent so far; `python "
+                                            "experiments/reproduce/run.py --parts depth_tuned` continues it."),
+    ({"wall_s": 3.5 * 3600, "complete": True}, "Wall time: 3.50 h of this 2-core machine (budget 4 h)."),
+], ids=["spent", "going", "done"])
+def test_the_section_says_where_the_parts_budget_stands(tmp_path, part, says):
+    std = {0: 3.00, 1: 3.02, 2: 2.98}
+    _fake_sweep(tmp_path / "runs", {("standard", 8): std, ("block", 8): std}, {("standard", 8): 0.012,
+                                                                            ("block", 8): 0.012})
+    (tmp_path / "runs" / "state.json").write_text(json.dumps({"depth_tuned": part}))
+    kept = tmp_path / "results"
+    text, _ = depth_part.section(tmp_path / "runs", tmp_path / "figs", record=kept)
+    assert says in text[0]
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")  # the record keeps the clock too
+    assert says in depth_part.section(tmp_path / "runs", tmp_path / "figs", record=kept)[0][0]

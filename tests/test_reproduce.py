@@ -286,7 +286,7 @@ sys.path.insert(0, {str(HERE)!r})
 import report, run
 report.HERE = Path({str(tmp_path)!r})  # the repository's report stays as it is
 started = []
-def fake_sweep(sweep, out, jobs):
+def fake_sweep(sweep, out, jobs, deadline=None):
     started.append(sweep.folder)
     return run.call_forwarding([sys.executable, "-c", {child!r}, {str(tmp_path)!r} + "/" + sweep.folder], Path("."))
 run.run_sweep, run.prepare = fake_sweep, lambda: 0

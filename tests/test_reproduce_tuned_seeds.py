@@ -5,6 +5,7 @@ trains nothing: each job's val/loss comes from a known surface), so the per-seed
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import statistics
@@ -104,3 +105,14 @@ def test_a_study_paused_by_a_signal_says_it_is_not_finished_and_gives_no_answer(
     assert "Where it stopped" not in body and "not resolved yet at 2 seeds" in body
     assert "[-inf, +inf]** (2 seeds; the design's repeated 95% interval at look 1, valid whichever look it " \
            "stopped at; infinite because the design spends almost none of its 5% at the early looks" in body
+    # the same pause once run.py's clock says the part's budget is spent: where and why it stopped, for good
+    (out / "state.json").write_text(json.dumps({"tuned_seeds": {"wall_s": part.BUDGET_H * 3600 + 5}}))
+    kept = tmp_path / "results"
+    first = part.section(out, tmp_path / "figs", record=kept)[0]
+    body = "\n".join(first)
+    assert "Where it stopped: the part's budget of 3 hours (3.00 h of wall time over its runs, on a machine " \
+           "other work shared for part of it) was spent during look 1 (look 1: seeds 0-2), with 2 seeds with " \
+           "both arms." in body and "Not finished" not in body
+    assert "**The answer**: not resolved within the 3-hour budget, at 2 seeds; resolving a margin of 1.06%" in body
+    shutil.rmtree(out / part.FOLDER)  # the record alone says the same
+    assert part.section(out, tmp_path / "figs", record=kept)[0][1:] == first[1:]

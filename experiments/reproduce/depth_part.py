@@ -42,6 +42,7 @@ ARMS = {"block": "Block AttnRes, N = 8 (input-dependent routing, bounded scale)"
         "block_uniform": "Block's sources, uniform weights (the standard residual up to eps)"}
 MARGIN_PCT = 0.5  # the smallest difference that matters: 0.5% of the baseline's val/loss (verdict.margin)
 RUN = "python experiments/reproduce/run.py --parts depth_tuned"
+BUDGET_H = 4.0  # run.py's budget for the part (issue 51: at most 4 hours of this 2-core machine)
 
 
 @dataclass
@@ -272,12 +273,15 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
     REPORT.md), the runs found are kept in `record/depth_tuned.json`, and where there are none (another
     machine trained them) the section is built from that record instead."""
     arms, source = read_all(out), ""
+    part = read_json(out / "state.json").get(FOLDER, {})  # run.py's clock over the part's invocations
     if arms and record is not None:
         rows = [row for name in (FOLDER, CARRIED) for row in record_rows(out / name)]
         designs = {name: sequential.read_record(out / name) for name in (FOLDER, CARRIED)}
-        records.write_record(record, FOLDER, rows, f"runs/{FOLDER} and runs/{CARRIED}", {"seeds": designs})
+        records.write_record(record, FOLDER, rows, f"runs/{FOLDER} and runs/{CARRIED}",
+                             {"seeds": designs, "part": part})
     elif not arms and record is not None and (record / f"{FOLDER}.json").is_file():
         saved = read_json(record / f"{FOLDER}.json")
+        part = (saved.get("extra") or {}).get("part") or {}
         arms = arms_from_record(saved.get("runs", []), (saved.get("extra") or {}).get("seeds") or {})
         source = (f" Built from {record.name}/{FOLDER}.json, the per-run record of {saved.get('source')} "
                   f"(written {saved.get('written')}), not from the runs themselves.")
@@ -293,7 +297,7 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
             + " Gaps: arm minus standard, both at "
             f"their best, as a share of the standard's val/loss, paired by seed; the intervals of a depth hold "
             f"together (Bonferroni over its arms); the margin is {MARGIN_PCT}% (docs/sweeps.md#verdicts)."
-            + _seeds_text(arms) + source, "",
+            + _seeds_text(arms) + _budget_text(part) + source, "",
             "| sublayers | tokens per parameter | arm | chosen lr (standard's) | gap [interval] | verdict | seeds |",
             "|---|---|---|---|---|---|---|"]
     for depth in depths:
@@ -335,6 +339,19 @@ def _carry_text(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> str:
             f"of the part's four hours.{moved} An arm whose best lr moves again between {source} and {deep} "
             f"sublayers runs there off its best (the transfer study saw at most one grid step, a factor of 2, "
             f"across a fourfold depth), which favours the arm whose best moves least.")
+
+
+def _budget_text(part: Mapping[str, Any]) -> str:
+    wall = part.get("wall_s")
+    if not isinstance(wall, (int, float)):
+        return ""
+    if part.get("complete"):
+        return f" Wall time: {wall / 3600:.2f} h of this 2-core machine (budget {BUDGET_H:g} h)."
+    if wall >= BUDGET_H * 3600:
+        return (f" The part's budget of {BUDGET_H:g} hours was spent ({wall / 3600:.2f} h of wall time, on a machine "
+                "other work shared for part of it) before every run finished: a row without pairs, or with fewer "
+                "seeds than the design's, is where it stopped; each interval holds at the look it reached.")
+    return f" Not finished: {wall / 3600:.2f} h of its {BUDGET_H:g}-hour budget spent so far; `{RUN}` continues it."
 
 
 def _seeds_text(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> str:

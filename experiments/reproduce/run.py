@@ -10,13 +10,15 @@ Part `prepare` tokenizes the stdlib with a 1,024-token BPE into experiments/repr
 experiment=synthetic_depth with `eval.tasks=[attnres_pointer]` (tasks_part.py), into
 `experiments/reproduce/runs/<part>/` (`--out` moves it). Every sweep runs with `resume=true`: run
 the command again after a crash, a kill or Ctrl-C and finished jobs are skipped, unfinished ones
-continue from their last checkpoint. The wall time of each part is added up across invocations
-in `runs/state.json`. The report is always experiments/reproduce/REPORT.md and figures/ (beside
-this file; `--out` moves the runs, not the report), built by report.py from the runs in the output
-folder: rebuilt whole when the folder holds every part's runs; where it holds only some (another
-machine ran the rest), the sections of the parts that stand alone (tuned, tasks) are spliced into
-REPORT.md and the rest is kept as written, figures included. `--report-only` does the same from the
-runs already there, and refuses, in one line and writing nothing, a folder with none of them.
+continue from their last checkpoint. The wall time of each part is added up across invocations in
+`runs/state.json`; a part with a budget (Part.budget_h: tuned_seeds 3 hours, depth_tuned 4) is
+stopped, as by a kill, when that sum reaches it, and not run again without --over-budget. The report
+is always experiments/reproduce/REPORT.md and figures/ (beside this file; `--out` moves the runs,
+not the report), built by report.py from the runs in the output folder: rebuilt whole when the
+folder holds every part's runs; where it holds only some (another machine ran the rest), the
+sections of the parts that stand alone (tuned, tasks) are spliced into REPORT.md and the rest is
+kept as written, figures included. `--report-only` does the same from the runs already there, and
+refuses, in one line and writing nothing, a folder with none of them.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class Part:
     name: str
     question: str
     sweeps: tuple[Sweep, ...]
+    #: the part's budget in hours of wall time, added up over its invocations (runs/state.json): a sweep
+    #: running when it is spent is stopped as by a kill (resumable), and a spent part is not run again
+    #: (--over-budget runs it); None: no budget
+    budget_h: float | None = None
 
 
 REPO = HERE.parent.parent
@@ -92,7 +98,7 @@ PARTS = (
          (Sweep("tuned_seeds", (*STUDY, "shape=deep", "tune=lr", "residual=standard,block", "num_blocks=4",
                                 "hydra.sweeper.method=given", f"hydra.sweeper.given={TUNED_CHOICES}",
                                 "seeds.on_demand=true", "seeds.start=5", "seeds.batch=3", "seeds.max=17",
-                                f"verdict.margin={TUNED_MARGIN}")),)),
+                                f"verdict.margin={TUNED_MARGIN}")),), budget_h=3.0),
     Part("ladder", "the compute multiplier of Block N=8 over standard on a four-rung ladder (8 layers, width "
                    "16, 24, 32 at 3 seeds, and 40 from parts ordering and blocksize; 25 tokens per parameter)",
          (Sweep("ladder", (*STUDY, "shape=w16,w24,w32", "residual=standard,block", "num_blocks=8",
@@ -107,9 +113,10 @@ PARTS = (
                         "carried from 24 to 48 (experiment=depth_study; depth_part.py); about 4 hours",
          (Sweep("depth_tuned", ("experiment=depth_study", "depth=L8,L24")),
           Sweep("depth_tuned_L48", ("experiment=depth_study", "depth=L48", "hydra.sweeper.method=given"),
-                carried=depth_carried))),
+                carried=depth_carried)), budget_h=4.0),
 )
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # what call_forwarding returns after Ctrl-C or a kill
+BUDGET_SPENT = 124  # what call_forwarding returns when it stopped the sweep at its deadline (as timeout(1) does)
 #: the parts that read the tokenized stdlib
 NEEDS_DATA = ("ordering", "blocksize", "depth", "tuned", "tuned_seeds", "ladder")
 
@@ -137,13 +144,14 @@ def write_state(out: Path, state: dict) -> None:
     os.replace(tmp, out / "state.json")
 
 
-def call_forwarding(command: list[str], cwd: Path) -> int:
+def call_forwarding(command: list[str], cwd: Path, deadline: float | None = None) -> int:
     """Run a sweep and wait for it, passing Ctrl-C and SIGTERM on to it exactly once each: the sweep
     runs in a session of its own, so a terminal's Ctrl-C reaches it through this script alone, and a
     `kill` of this script stops the sweep (its jobs save) instead of leaving it running unseen.
     Returns the sweep's exit status, or 128 + the signal's number (130, 143: STOPPED) when one came:
     a sweep may end 1 (or even 0) after its own SIGTERM, and the caller must stop all the same
-    instead of starting the next sweep."""
+    instead of starting the next sweep. At `deadline` (time.monotonic()) the sweep gets one SIGTERM,
+    as from a kill, and this returns BUDGET_SPENT once it has saved and ended."""
     proc = subprocess.Popen(command, cwd=cwd, start_new_session=True)
     received: list[int] = []
 
@@ -153,15 +161,24 @@ def call_forwarding(command: list[str], cwd: Path) -> int:
             proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    timed_out = False
     try:
-        code = proc.wait()
+        try:
+            code = proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 + received[0] if received else code
+    if received:
+        return 128 + received[0]
+    return BUDGET_SPENT if timed_out else code
 
 
-def run_sweep(sweep: Sweep, out: Path, jobs: int | None) -> int:
+def run_sweep(sweep: Sweep, out: Path, jobs: int | None, deadline: float | None = None) -> int:
     try:
         carried = sweep.carried(out) if sweep.carried else ()
     except ValueError as err:
@@ -172,7 +189,7 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int | None) -> int:
     if jobs:
         command.append(f"hydra.launcher.cpu_jobs={jobs}")
     print("+ " + " ".join(command[1:]), flush=True)
-    return call_forwarding(command, REPO)
+    return call_forwarding(command, REPO, deadline)
 
 
 def report_only(out: Path, wanted: list[str]) -> int:
@@ -199,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="the runs' folder (default experiments/reproduce/runs); REPORT.md and figures/ stay "
                              "beside run.py, built from the runs found here")
+    parser.add_argument("--over-budget", action="store_true",
+                        help="run parts whose budget (hours of wall time, runs/state.json) is spent, and past it")
     parser.add_argument("--report-only", action="store_true",
                         help="only update REPORT.md from the runs in --out (refused when it holds none of --parts')")
     args = parser.parse_args(argv)
@@ -221,21 +240,33 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p for p in PARTS if p.name in wanted]
     for number, part in enumerate(parts, 1):
         print(f"\n== part {number}/{len(parts)}: {part.name}: {part.question}", flush=True)
+        spent = read_state(out).get(part.name, {}).get("wall_s", 0.0)
+        left = None if part.budget_h is None or args.over_budget else part.budget_h * 3600 - spent
+        if left is not None and left <= 0:
+            print(f"== part {part.name}: its budget of {part.budget_h:g} h is spent ({spent / 3600:.2f} h in all): "
+                  "not run again (--over-budget runs it)", flush=True)
+            continue
         start = time.monotonic()
+        deadline = None if left is None else start + left
         codes = [prepare()] if part.name == "prepare" else []
         for sweep in part.sweeps:
-            codes.append(run_sweep(sweep, out, args.jobs or None))
-            if codes[-1] in STOPPED:
+            codes.append(run_sweep(sweep, out, args.jobs or None, deadline))
+            if codes[-1] in (*STOPPED, BUDGET_SPENT):
                 break
+        if codes and codes[-1] == BUDGET_SPENT:
+            print(f"run.py: part {part.name} reached its budget of {part.budget_h:g} h and was stopped; its section "
+                  "says where (--over-budget continues it)", file=sys.stderr, flush=True)
         state = read_state(out)
         entry = state.setdefault(part.name, {"wall_s": 0.0, "invocations": 0})
         entry["wall_s"] = round(entry["wall_s"] + time.monotonic() - start, 1)
         entry["invocations"] += 1
         entry["complete"] = all(code == 0 for code in codes)
+        if codes and codes[-1] == BUDGET_SPENT:
+            entry["budget_spent"] = True
         write_state(out, state)
         print(f"== part {part.name}: {'done' if entry['complete'] else 'INCOMPLETE'} "
               f"({entry['wall_s'] / 60:.1f} min in all)", flush=True)
-        if not entry["complete"]:
+        if not entry["complete"] and not entry.get("budget_spent"):
             failed.append(part.name)
         if codes[-1] in STOPPED:  # Ctrl-C or SIGTERM: stop here, resumable
             print("run.py: interrupted; run the same command again to continue", file=sys.stderr)

@@ -40,6 +40,7 @@ FOLDER = "tuned_seeds"
 TITLE = "7b. Each arm at its own learning rate, with seeds on demand"
 RUN = "python experiments/reproduce/run.py --parts tuned_seeds"
 MARGIN_PCT = 1.06  # run.py's TUNED_MARGIN: the paper's smallest Table 2 gain, as a share of the baseline's loss
+BUDGET_H = 3.0  # run.py's budget for the part (issue 49: at most 3 hours of this 2-core machine)
 BLOCK, STANDARD = "block", "standard"
 SECTION_7 = "+0.01% [-1.59, +1.60]"  # section 7's printed gap over seeds 0 to 4, for the check below
 ANSWERS = {
@@ -70,15 +71,17 @@ def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str
     sweep = out / FOLDER
     state, design = tuning.read_state(sweep), sequential.read_record(sweep)
     runs, source, lines = [], "", []
+    wall = read_json(out / "state.json").get(FOLDER, {}).get("wall_s")  # run.py's, over the part's invocations
     if state.get("arms"):
         runs = verdict_runs(out, FOLDER)
         _, lines = write_tuned_summary(sweep, title="tuned_seeds (the study's part)")
         if record is not None:
-            records.write_record(record, FOLDER, runs, f"runs/{FOLDER}", {"seeds": design, "verdict": lines[:1]})
+            records.write_record(record, FOLDER, runs, f"runs/{FOLDER}",
+                                 {"seeds": design, "verdict": lines[:1], "wall_s": wall})
     elif record is not None and (record / f"{FOLDER}.json").is_file():
         saved = read_json(record / f"{FOLDER}.json")
         runs, extra = list(saved.get("runs", [])), saved.get("extra") or {}
-        design, lines = extra.get("seeds") or {}, list(extra.get("verdict") or [])
+        design, lines, wall = extra.get("seeds") or {}, list(extra.get("verdict") or []), extra.get("wall_s")
         source = (f" Built from {record.name}/{FOLDER}.json, the per-run record of {saved.get('source')} (written "
                   f"{saved.get('written')}), not from the runs themselves.")
     gaps, pairs = per_seed_gaps(runs)
@@ -99,8 +102,14 @@ def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str
     ]
     looked = "; ".join(f"look {i}: seeds {look[0]}-{look[-1]}" for i, look in enumerate(looks, 1))
     stopped = design.get("stopped")
+    spent = isinstance(wall, (int, float)) and wall >= BUDGET_H * 3600
     if stopped and not stopped.startswith("stopped by"):  # the design's own stop, not a signal's pause
         text.append(f"Where it stopped: {stopped} ({looked}).")
+    elif spent:
+        text.append(f"Where it stopped: the part's budget of {BUDGET_H:g} hours ({wall / 3600:.2f} h of wall time over "
+                    f"its runs, on a machine other work shared for part of it) was spent during look {len(looks)} "
+                    f"({looked}), with {len(gaps)} seeds with both arms. The design's repeated interval holds at "
+                    "whichever look a study stops, a stop for time included.")
     else:
         text.append(f"Not finished: {looked or 'no look yet'}, {len(gaps)} of its seeds with both arms so far; "
                     f"`{RUN}` continues it (resume).")
@@ -124,7 +133,7 @@ def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str
                      f"**{words}**; the spread of the paired gaps, sd {sd:.2f}%"
                      + (f", would need {need} seeds in a fixed-size study to resolve the margin with 80% power."
                         if need else ".")]
-        text += ["", "**The answer**: " + _answer(words, bool(design.get("final")), n, need) + "."]
+        text += ["", "**The answer**: " + _answer(words, bool(design.get("final")), n, need, spent) + "."]
     first = Effect({s: 100 * (b - a) / a for s, (a, b) in pairs.items() if s in range(5)})  # as section 7's
     if first.n == 5:
         text += ["", f"A check against section 7: seeds 0 to 4 alone, as a fixed 5-seed paired t interval: "
@@ -136,9 +145,12 @@ def section(out: Path, figs: Path, record: Path | None = None) -> tuple[list[str
     return text, []
 
 
-def _answer(words: str, at_maximum: bool, n: int, need: int | None) -> str:
+def _answer(words: str, at_maximum: bool, n: int, need: int | None, spent: bool = False) -> str:
     if words in ANSWERS:
         return f"{ANSWERS[words]} ({MARGIN_PCT}%), from {n} seeds"
+    if spent and not at_maximum:
+        return (f"not resolved within the {BUDGET_H:g}-hour budget, at {n} seeds; resolving a margin of "
+                f"{MARGIN_PCT}% at this spread needs about {need} seeds (a fixed-size study at 80% power)")
     if at_maximum:
         return (f"not resolved at {n} seeds, the design's maximum; resolving a margin of {MARGIN_PCT}% at this "
                 f"spread needs about {need} seeds")
