@@ -45,7 +45,7 @@ def test_the_sweep_running_at_the_deadline_gets_one_sigterm_and_the_budget_is_re
                                deadline=time.monotonic() + 60) == 3
 
 
-def _main(tmp_path, monkeypatch, state, sweep_code, *args):
+def _main(tmp_path, monkeypatch, state, sweep_code, *args, meta=True):
     """run.main(--parts tuned_seeds) with its sweep faked: (exit status, [deadline - now] per sweep started)."""
     out = tmp_path / "runs"
     out.mkdir()
@@ -59,7 +59,9 @@ def _main(tmp_path, monkeypatch, state, sweep_code, *args):
     monkeypatch.setattr(run, "run_sweep", fake_sweep)
     monkeypatch.setattr(report, "update_report", lambda out, parts: (tmp_path / "REPORT.md", ""))
     monkeypatch.setattr(run, "DATA", tmp_path)  # part prepare's output taken as there
-    (tmp_path / "meta.json").write_text("{}")
+    if meta:
+        (tmp_path / "meta.json").write_text("{}")
+    monkeypatch.setattr(run, "prepare", lambda: pytest.fail("part prepare ran"))
     return run.main(["--parts", "tuned_seeds", "--out", str(out), *args]), started
 
 
@@ -78,7 +80,8 @@ def test_a_part_stopped_by_its_budget_is_recorded_and_not_a_failure(tmp_path, mo
 
 def test_a_spent_part_is_not_run_again_unless_asked(tmp_path, monkeypatch, capsys):
     spent = {"tuned_seeds": {"wall_s": 3 * 3600 + 1.0, "invocations": 2}}
-    code, started = _main(tmp_path, monkeypatch, spent, 0)
+    (tmp_path / "meta.json").unlink(missing_ok=True)
+    code, started = _main(tmp_path, monkeypatch, spent, 0, meta=False)  # no data, and none needed: no prepare
     assert code == 0 and started == []
     assert "== part tuned_seeds: its budget of 3 h is spent (3.00 h in all): not run again (--over-budget runs it)" \
         in capsys.readouterr().out

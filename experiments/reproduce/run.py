@@ -94,7 +94,7 @@ PARTS = (
     Part("tuned_seeds", "part tuned's comparison extended by seeds on demand: Block N=4 and standard at the lrs "
                         "its search chose (block 0.012, standard 0.024; hydra.sweeper.method=given), 5 seeds, then "
                         "3 a look while the verdict at a margin of 1.06% is not resolved, at most 17 "
-                        "(docs/sweeps.md#seeds-on-demand); at most about 2 hours",
+                        "(docs/sweeps.md#seeds-on-demand), within a budget of 3 hours",
          (Sweep("tuned_seeds", (*STUDY, "shape=deep", "tune=lr", "residual=standard,block", "num_blocks=4",
                                 "hydra.sweeper.method=given", f"hydra.sweeper.given={TUNED_CHOICES}",
                                 "seeds.on_demand=true", "seeds.start=5", "seeds.batch=3", "seeds.max=17",
@@ -234,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         return report_only(out, wanted)
     out.mkdir(parents=True, exist_ok=True)
     failed = []
+    state = read_state(out)
+    spent = {p.name for p in PARTS if p.budget_h is not None and not args.over_budget
+             and state.get(p.name, {}).get("wall_s", 0.0) >= p.budget_h * 3600}
     if ("prepare" not in wanted and not (DATA / "meta.json").is_file()
-            and any(p in NEEDS_DATA for p in wanted)):
+            and any(p in NEEDS_DATA and p not in spent for p in wanted)):
         wanted.insert(0, "prepare")  # the sweeps read the tokenized data
     parts = [p for p in PARTS if p.name in wanted]
     for number, part in enumerate(parts, 1):
