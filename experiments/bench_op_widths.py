@@ -228,6 +228,72 @@ def profile_widths(widths: list[int], n_src: int, rounds: int, rate: float) -> d
     return result
 
 
+# -- --baseline REV: the C++ ops of another revision beside this one's ---------------------------------
+def baseline_ops(rev: str):
+    """torch.ops of the C++ source at git revision `rev`, built under the library name
+    attnres_cpu_base (so that it loads beside this checkout's attnres_cpu) with the flags
+    `cpu_fused` builds with."""
+    import hashlib
+    import subprocess
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    root = Path(__file__).resolve().parents[1]
+    text = subprocess.run(["git", "show", f"{rev}:attnres/ops/csrc/depth_attention_cpu.cpp"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+        text = text.replace(f"{macro}(attnres_cpu,", f"{macro}(attnres_cpu_base,")
+    flags = cpu_fused._cflags(cpu_fused._state.get("threads") == "openmp")
+    name = "attnres_cpu_base_" + hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:12]
+    build = Path(cpp_extension.get_default_build_root()) / name
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "depth_attention_cpu_base.cpp").write_text(text)
+    cpp_extension.load(name=name, sources=[str(build / "depth_attention_cpu_base.cpp")], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else None, is_python_module=False,
+                       build_directory=str(build), verbose=False)
+    return torch.ops.attnres_cpu_base
+
+
+def compare_ops(d: int, tokens: int, n_src: int, rounds: int, base, rate: float) -> dict:
+    """The C++ ops alone (forward; forward + backward), `base`'s and this checkout's, interleaved
+    in rounds: the least CPU time of each against the floor at `rate` (10 and 29 tensor passes
+    at 9 sources, as `measure`)."""
+    gen = torch.Generator().manual_seed(d)
+    plain = [torch.randn(tokens, d, generator=gen) for _ in range(n_src)]
+    folded = (torch.randn(d, generator=gen) / d**0.5).unsqueeze(0).contiguous()
+    dh = torch.randn(tokens, d, generator=gen)
+
+    def arms(ops):
+        def fwd() -> None:
+            ops.forward(plain, None, folded, [], None, EPS, None, EPS)
+
+        def pair() -> None:
+            o, z, lse, r, _, _ = ops.forward(plain, None, folded, [], None, EPS, None, EPS)
+            ops.backward(plain, r, folded, z, lse, None, o, [dh], None, None, None, None, None, [])
+        return {"forward": fwd, "forward_backward": pair}
+
+    calls = {(who, arm): fn for who, ops in (("base", base), ("new", torch.ops.attnres_cpu))
+             for arm, fn in arms(ops).items()}
+    inner = max(1, 8192 // tokens)
+    best = {key: float("inf") for key in calls}
+    for fn in calls.values():
+        fn()
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            start = time.thread_time()
+            for _ in range(inner):
+                fn()
+            best[key] = min(best[key], (time.thread_time() - start) / inner)
+    tensor = tokens * d * 4
+    out: dict = {"D": d, "tokens": tokens, "sources": n_src}
+    for arm, p in (("forward", n_src + 1), ("forward_backward", 3 * n_src + 2)):
+        floor = p * tensor / rate
+        out[arm] = {"floor_us": floor * 1e6, "base_us": best["base", arm] * 1e6, "new_us": best["new", arm] * 1e6,
+                    "base_vs_floor": best["base", arm] / floor, "new_vs_floor": best["new", arm] / floor}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", default="32,64,96,128,256", help="comma-separated D")
@@ -237,11 +303,30 @@ def main() -> None:
     p.add_argument("--tokens-sweep", action="store_true", help="also the forward at 1/8, 1/2, 1 and 4 x --tokens")
     p.add_argument("--profile", action="store_true", help="where a call's time goes (module docstring), not the table")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--baseline", metavar="REV", help="the C++ ops alone, this checkout's beside git revision REV's "
+                   "(built as library attnres_cpu_base), not the table")
     args = p.parse_args()
     torch.set_num_threads(1)
     keep_freed_memory()
     if not cpu_fused.available():
         raise SystemExit(f"bench_op_widths: the C++ kernel is not available ({cpu_fused.load_error()})")
+    if args.baseline:
+        base = baseline_ops(args.baseline)
+        rate = copy_rate(args.rounds)
+        print(f"the C++ ops alone, least CPU time of {args.rounds} rounds, {args.sources} sources x {args.tokens} "
+              f"tokens, floor at {rate / 1e9:.1f} GB/s: {args.baseline} -> this checkout", flush=True)
+        results = []
+        for d in (int(x) for x in args.widths.split(",")):
+            r = compare_ops(d, args.tokens, args.sources, args.rounds, base, rate)
+            results.append(r)
+            arms = (("forward", r["forward"]), ("+backward", r["forward_backward"]))
+            line = [f"{name} floor {a['floor_us']:7.1f} us: {a['base_us']:8.1f} ({a['base_vs_floor']:.2f}x) -> "
+                    f"{a['new_us']:8.1f} us ({a['new_vs_floor']:.2f}x)" for name, a in arms]
+            print(f"D {d:4d}: " + " | ".join(line), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"copy_bytes_per_s": rate, "baseline": args.baseline, "widths": results}, fh, indent=1)
+        return
     if args.profile:
         results = profile_widths([int(x) for x in args.widths.split(",")], args.sources, args.rounds,
                                  copy_rate(args.rounds))

@@ -252,3 +252,46 @@ def test_compile_time_widths_match_the_reference(d, rel_err):
         assert rel_err(outs[k].double(), ref) < 1e-5
         for got, want in zip(grads(outs[k], src), grads(ref, ref_src), strict=True):
             assert rel_err(got.double(), want) < 1e-4
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 33], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("d", [32, 100], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_token_counts_off_the_groups_match_the_reference(tokens, d, dtype, rel_err):
+    """The kernel forms the logits and g = dO . v for W tokens of a source at a time (W: a
+    vector's lanes) inside tiles of 16 tokens: token counts that fill neither a group nor a
+    tile (1, 7, 33) against the float64 reference, value and gradient, one query with the
+    fused output norm and K = 5 queries over a prefix (the phase-2 merge)."""
+    from attnres.functional import completed_attention, merge_completed
+    from attnres.ops import naive_depth_attention
+
+    assert cpu_fused.available(), cpu_fused.load_error()
+    tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-12, 1e-11)
+    gen = torch.Generator().manual_seed(tokens * d)
+    src64 = [torch.randn(tokens, d, generator=gen, dtype=torch.float64) for _ in range(5)]
+    q64 = torch.randn(5, d, generator=gen, dtype=torch.float64) / d**0.5
+    w64 = 1 + 0.1 * torch.randn(d, generator=gen, dtype=torch.float64)
+    dh = torch.randn(tokens, d, generator=gen, dtype=torch.float64)
+
+    def grads(out, leaves):
+        return torch.autograd.grad((out.double() * dh).sum(), leaves, retain_graph=True)
+
+    src = [s.to(dtype).requires_grad_() for s in src64]
+    w = w64.to(dtype).requires_grad_()
+    y, _ = cpu_fused.fused_depth_attention(src, q64[0].to(dtype), None, 1e-6, output_norm_weight=w)
+    ref_src = [s.clone().requires_grad_() for s in src64]
+    ref_w = w64.clone().requires_grad_()
+    ref, _ = naive_depth_attention(ref_src, q64[0], None, 1e-6, output_norm_weight=ref_w)
+    assert rel_err(y.double(), ref) < tol[0]
+    for got, want in zip(grads(y, [*src, w]), grads(ref, [*ref_src, ref_w]), strict=True):
+        assert rel_err(got.double(), want) < tol[1]
+
+    src = [s.to(dtype).requires_grad_() for s in src64]
+    accs, lse = completed_attention(src[:3], None, q64.to(dtype), 1e-6, "cpu")
+    outs, _ = merge_completed(accs, lse, src[3:], None, q64.to(dtype), 1e-6, "cpu")
+    for k in range(5):
+        ref_src = [s.clone().requires_grad_() for s in src64]
+        ref, _ = naive_depth_attention(ref_src, q64[k], None, 1e-6)
+        assert rel_err(outs[k].double(), ref) < tol[0]
+        for got, want in zip(grads(outs[k], src), grads(ref, ref_src), strict=True):
+            assert rel_err(got.double(), want) < tol[1]

@@ -275,48 +275,6 @@ inline void axpys(const T* v, const T* a, T* const* o, int64_t d) {
   }
 }
 
-// the source gradient's query terms, for G queries: dv[j] (= or +=) sum_k (a[k] dO_k[j] + c[k] q_k[j]),
-// and the query-gradient sums tq_k[j] += c[k] v[j], in one pass. Self (the first group of a
-// source) adds the term through the source's own statistic, cs (v[j] r); Fresh (with Self)
-// writes dv instead of adding to it.
-template <int G, bool Self, bool Fresh, typename T>
-inline void dv_terms(T* dv, const T* v, const T* const* dO, const T* q, const T* a, const T* c, T* tq, int64_t d,
-                     T cs = 0, T r = 0) {
-  const T* d0 = dO[0];
-  const T* d1 = G > 1 ? dO[1] : d0;
-  const T* d2 = G > 2 ? dO[2] : d0;
-  const T* d3 = G > 3 ? dO[3] : d0;
-  const T* q0 = q;
-  const T* q1 = q + (G > 1 ? d : 0);
-  const T* q2 = q + (G > 2 ? 2 * d : 0);
-  const T* q3 = q + (G > 3 ? 3 * d : 0);
-  T* t0 = tq;
-  T* t1 = tq + (G > 1 ? d : 0);
-  T* t2 = tq + (G > 2 ? 2 * d : 0);
-  T* t3 = tq + (G > 3 ? 3 * d : 0);
-#pragma omp simd
-  for (int64_t j = 0; j < d; ++j) {
-    const T x = v[j];
-    T acc = a[0] * d0[j] + c[0] * q0[j];
-    if constexpr (Self) acc += cs * (x * r);
-    if constexpr (!Fresh) acc += dv[j];
-    t0[j] += c[0] * x;
-    if constexpr (G > 1) {
-      acc += a[1] * d1[j] + c[1] * q1[j];
-      t1[j] += c[1] * x;
-    }
-    if constexpr (G > 2) {
-      acc += a[2] * d2[j] + c[2] * q2[j];
-      t2[j] += c[2] * x;
-    }
-    if constexpr (G > 3) {
-      acc += a[3] * d3[j] + c[3] * q3[j];
-      t3[j] += c[3] * x;
-    }
-    dv[j] = acc;
-  }
-}
-
 // exp in float32 from arithmetic alone, so that loops over it vectorise (std::exp does not):
 // Cephes' expf (a degree-7 polynomial on [-ln2/2, ln2/2] times 2^k; within 2 ulp of the
 // exact value), 0 below -87.3 (where float32 underflows), inf above 88, NaN kept. float64
@@ -343,11 +301,55 @@ inline double exp_simd(double x) { return std::exp(x); }
 // backward's recomputes the weights from it as exp(z - lse) renormalised to sum to 1, as
 // torch_fused._weights does (to float32 rounding the forward's weights).
 constexpr int64_t kTile = 16;
+static_assert(kTile % (kVecBytes / sizeof(float)) == 0, "a tile holds whole groups of W tokens");
+
+// exp_simd on W lanes at once, branch-free (the selections as vector blends): `#pragma omp simd`
+// over the scalar form left it a scalar loop with three branches per value (GCC 12), a third of
+// the forward's time at D 32 (perf annotate, 2026-12-06)
+inline vec<float> exp_lanes(const vec<float> x) {
+  using V = vec<float>;
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const V lo = V{} - 87.3f, hi = V{} + 88.0f, zero = V{};
+  const V xc = x < lo ? lo : (x > hi ? hi : x);
+  const V kf = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const V r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;
+  V p = zero + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(kf, VI) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(V));
+  const V e = p * scale;
+  const V inf = zero + std::numeric_limits<float>::infinity();
+  return x != x ? x : (x < lo ? zero : (x > hi ? inf : e));
+}
 
 // alpha = exp(zs - shift[u]) per token u, normalised to sum to 1 over the cnt entries; `sum`
-// gets the sums of the exponentials
+// gets the sums of the exponentials. float: W tokens a vector, the last vector's lanes past
+// tn computed from whatever finite values the tile holds there and never read.
 template <typename T>
 inline void normalised_exp(const T* zs, const T* shift, int64_t cnt, int64_t tn, T* alpha, T* sum) {
+  if constexpr (std::is_same_v<T, float>) {
+    using V = vec<float>;
+    constexpr int64_t W = sizeof(V) / sizeof(float);
+    for (int64_t u0 = 0; u0 < tn; u0 += W) {
+      const V sh = load<V>(shift + u0);
+      V s{};
+      for (int64_t i = 0; i < cnt; ++i) {
+        const V e = exp_lanes(load<V>(zs + i * kTile + u0) - sh);
+        store(alpha + i * kTile + u0, e);
+        s += e;
+      }
+      store(sum + u0, s);
+      const V inv = 1.0f / s;
+      for (int64_t i = 0; i < cnt; ++i) store(alpha + i * kTile + u0, load<V>(alpha + i * kTile + u0) * inv);
+    }
+    return;
+  }
   for (int64_t u = 0; u < tn; ++u) sum[u] = 0;
   for (int64_t i = 0; i < cnt; ++i) {
 #pragma omp simd
@@ -367,10 +369,10 @@ inline void normalised_exp(const T* zs, const T* shift, int64_t cnt, int64_t tn,
 template <typename T>
 inline void softmax_tile(const T* zs, int64_t cnt, int64_t tn, T* alpha, T* lse) {
   T mx[kTile], sum[kTile];
-  for (int64_t u = 0; u < tn; ++u) mx[u] = -std::numeric_limits<T>::infinity();
+  for (int64_t u = 0; u < kTile; ++u) mx[u] = -std::numeric_limits<T>::infinity();
   for (int64_t i = 0; i < cnt; ++i)
     for (int64_t u = 0; u < tn; ++u) mx[u] = std::max(mx[u], zs[i * kTile + u]);
-  for (int64_t u = 0; u < tn; ++u) mx[u] = std::isfinite(mx[u]) ? mx[u] : T(0);
+  for (int64_t u = 0; u < kTile; ++u) mx[u] = std::isfinite(mx[u]) ? mx[u] : T(0);  // 0 past tn too
   normalised_exp(zs, mx, cnt, tn, alpha, sum);
   for (int64_t u = 0; u < tn; ++u) lse[u] = mx[u] + std::log(sum[u]);
 }
@@ -379,6 +381,242 @@ template <typename T>
 inline void weights_tile(const T* zs, const T* lse, int64_t cnt, int64_t tn, T* alpha) {
   T sum[kTile];
   normalised_exp(zs, lse, cnt, tn, alpha, sum);
+}
+
+// -------------------------------------------------------------------------------------------------
+// rows in groups: what a row costs whatever its width, paid once per group of rows
+// -------------------------------------------------------------------------------------------------
+// At D 32 a source row has 4 vector chunks, and the work that ends each of its dot products
+// (a horizontal sum, a scalar stored into the tile) and starts each weighted sum (the output
+// row loaded and stored again per source) cost more than the chunks themselves: 12.3 ns a row
+// beside 0.227 ns a value (experiments/BENCHMARKS.md, "Where the op's time goes at D 32"). So
+// the logits are formed for W consecutive tokens of a source (W: the lanes of a vector) as W
+// vectors of partial sums, which one transpose-and-add turns into the W tokens' logits in one
+// vector, stored where the tile's softmax reads them; and a weighted sum keeps its output in
+// registers over all sources, a block of columns at a time, storing it once.
+
+#define ATTNRES_INLINE inline __attribute__((always_inline))
+
+#ifdef ATTNRES_HALVES
+// lane L of the pairwise step of width B over (a, c): the first operand of a sum takes the lower
+// B lanes of each 2B-lane group of a (lanes of a) or c (lanes of c, numbered from W), the second
+// the upper B
+template <std::size_t W, std::size_t B, bool Upper, std::size_t L>
+constexpr int pair_lane() {
+  constexpr std::size_t group = L / (2 * B), pos = L % (2 * B);
+  return int((pos < B ? 0 : W) + group * 2 * B + pos % B + (Upper ? B : 0));
+}
+template <std::size_t B, typename V, std::size_t... L>
+inline V pair_sums(const V& a, const V& c, std::index_sequence<L...>) {
+  constexpr std::size_t W = sizeof...(L);
+  return __builtin_shufflevector(a, c, pair_lane<W, B, false, L>()...) +
+         __builtin_shufflevector(a, c, pair_lane<W, B, true, L>()...);
+}
+template <std::size_t B, typename V>
+inline void lane_sums_from(V* x) {
+  constexpr std::size_t W = sizeof(V) / sizeof(x[0][0]);
+  if constexpr (B < W) {
+    for (std::size_t p = 0; p < W; p += 2 * B) x[p] = pair_sums<B>(x[p], x[p + B], std::make_index_sequence<W>{});
+    lane_sums_from<2 * B>(x);
+  }
+}
+#endif
+
+// lane u of the result = the sum of the lanes of x[u], for the W vectors x[0..W-1] (overwritten):
+// log2 W steps of pairwise sums over pairs of vectors, W - 1 of them in all, where a horizontal
+// sum per vector takes log2 W steps each
+template <typename V>
+inline V lane_sums(V* x) {
+#ifdef ATTNRES_HALVES
+  lane_sums_from<1>(x);
+  return x[0];
+#else
+  V out;
+  for (std::size_t u = 0; u < sizeof(V) / sizeof(x[0][0]); ++u) out[u] = hsum(x[u]);
+  return out;
+#endif
+}
+
+// part[k][u] = the vector partial sums of v . b[k] (and with Self part[G][u] of v . v) over row
+// v: the chunks' products summed lane by lane, the tail of a D that the lanes do not divide
+// added into lane 0
+template <int G, bool Self, typename T>
+ATTNRES_INLINE void partial_dots(const T* v, const T* const* b, int64_t d, vec<T> (*part)[sizeof(vec<T>) / sizeof(T)],
+                         int64_t u) {
+  using V = vec<T>;
+  constexpr int64_t W = sizeof(V) / sizeof(T);
+  V s[G + 1] = {};
+  int64_t j = 0;
+  for (; j + W <= d; j += W) {
+    const V x = load<V>(v + j);
+    for (int k = 0; k < G; ++k) s[k] += x * load<V>(b[k] + j);
+    if constexpr (Self) s[G] += x * x;
+  }
+  for (; j < d; ++j) {
+    const T x = v[j];
+    for (int k = 0; k < G; ++k) s[k][0] += x * b[k][j];
+    if constexpr (Self) s[G][0] += x * x;
+  }
+  for (int k = 0; k < G + (Self ? 1 : 0); ++k) part[k][u] = s[k];
+}
+
+// the logits of G queries (b) over the W tokens [t, t + tn) of one source (rows of d values
+// from v), tn <= W: out[k][0..W) (lanes from tn on 0), and with Self out[G] the rows' v . v
+template <int G, bool Self, typename T>
+ATTNRES_INLINE void group_dots(const T* v, const T* const* b, int64_t d, int64_t tn, T* const* out) {
+  using V = vec<T>;
+  constexpr int64_t W = sizeof(V) / sizeof(T);
+  V part[G + 1][W];
+  for (int64_t u = 0; u < W; ++u) {
+    if (u < tn) {
+      partial_dots<G, Self>(v + u * d, b, d, part, u);
+    } else {
+      for (int k = 0; k < G + (Self ? 1 : 0); ++k) part[k][u] = V{};
+    }
+  }
+  for (int k = 0; k < G + (Self ? 1 : 0); ++k) store(out[k], lane_sums(part[k]));
+}
+
+// o[k][j0 .. j0 + C W) (= when Fresh, else +=) sum_i a[k * stride_k + i * kTile] v_i[j0 ..] over the
+// n rows v_i = rows[i] + offset, the C chunks of each of the G outputs held in registers
+template <int G, int C, bool Fresh, typename T>
+ATTNRES_INLINE void weighted_block(const void* const* rows, int64_t offset, int64_t n, const T* a, int64_t stride_k,
+                           T* const* o, int64_t j0) {
+  using V = vec<T>;
+  constexpr int64_t W = sizeof(V) / sizeof(T);
+  V acc[G][C];
+  for (int k = 0; k < G; ++k)
+    for (int c = 0; c < C; ++c) acc[k][c] = Fresh ? V{} : load<V>(o[k] + j0 + c * W);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = static_cast<const T*>(rows[i]) + offset + j0;
+    for (int k = 0; k < G; ++k) {
+      const T ak = a[k * stride_k + i * kTile];
+      for (int c = 0; c < C; ++c) acc[k][c] += ak * load<V>(v + c * W);
+    }
+  }
+  for (int k = 0; k < G; ++k)
+    for (int c = 0; c < C; ++c) store(o[k] + j0 + c * W, acc[k][c]);
+}
+
+// body(integral_constant<int, c>) for the c = 1 .. 7 (below C) chunks left after the whole blocks
+template <int C, typename F>
+ATTNRES_INLINE void with_chunks_left(int64_t left, F&& body) {
+  switch (left) {
+    case 1: body(std::integral_constant<int, 1>{}); break;
+    case 2: body(std::integral_constant<int, (C > 2 ? 2 : 1)>{}); break;
+    case 3: body(std::integral_constant<int, (C > 3 ? 3 : 1)>{}); break;
+    case 4: body(std::integral_constant<int, (C > 4 ? 4 : 1)>{}); break;
+    case 5: body(std::integral_constant<int, (C > 5 ? 5 : 1)>{}); break;
+    case 6: body(std::integral_constant<int, (C > 6 ? 6 : 1)>{}); break;
+    case 7: body(std::integral_constant<int, (C > 7 ? 7 : 1)>{}); break;
+    default: break;
+  }
+}
+
+// the weighted sums of G outputs over a row of d values: blocks of up to 8 / G chunks (the
+// accumulators in at most 8 vector registers), the last block the chunks left, then the
+// values past the last whole chunk one at a time
+template <int G, bool Fresh, typename T>
+ATTNRES_INLINE void weighted_rows(const void* const* rows, int64_t offset, int64_t n, const T* a, int64_t stride_k,
+                          T* const* o, int64_t d) {
+  constexpr int64_t W = sizeof(vec<T>) / sizeof(T);
+  constexpr int C = G == 1 ? 8 : G == 2 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + C * W <= d; j += C * W) weighted_block<G, C, Fresh>(rows, offset, n, a, stride_k, o, j);
+  with_chunks_left<C>((d - j) / W, [&](auto c) {
+    weighted_block<G, decltype(c)::value, Fresh>(rows, offset, n, a, stride_k, o, j);
+    j += decltype(c)::value * W;
+  });
+  for (; j < d; ++j) {
+    T s[G];
+    for (int k = 0; k < G; ++k) s[k] = Fresh ? T(0) : o[k][j];
+    for (int64_t i = 0; i < n; ++i) {
+      const T x = static_cast<const T*>(rows[i])[offset + j];
+      for (int k = 0; k < G; ++k) s[k] += a[k * stride_k + i * kTile] * x;
+    }
+    for (int k = 0; k < G; ++k) o[k][j] = s[k];
+  }
+}
+
+// the dot products of the W tokens [t, t + tn) of one source (rows of d values from v) with G
+// rows per token, rows[k * kTile + u] for token u, tn <= W: out[k][0..W) (lanes from tn on 0)
+template <int G, typename T>
+ATTNRES_INLINE void group_row_dots(const T* v, const T* const* rows, int64_t d, int64_t tn, T* const* out) {
+  using V = vec<T>;
+  constexpr int64_t W = sizeof(V) / sizeof(T);
+  V part[G + 1][W];
+  for (int64_t u = 0; u < W; ++u) {
+    if (u < tn) {
+      const T* b[G];
+      for (int k = 0; k < G; ++k) b[k] = rows[k * kTile + u];
+      partial_dots<G, false>(v + u * d, b, d, part, u);
+    } else {
+      for (int k = 0; k < G; ++k) part[k][u] = V{};
+    }
+  }
+  for (int k = 0; k < G; ++k) store(out[k], lane_sums(part[k]));
+}
+
+// One source's gradient over the tn tokens of a tile, for a group of G queries, columns
+// [j0, j0 + C W): dv[u] (= when Fresh, else +=) sum_k (a_k[u] dO_k[u] + cr_k[u] q_k) and with
+// Self cs[u] (r[u] v[u]); the query-gradient terms sum_u cr_k[u] v[u] summed over the tile in
+// registers and added to tq_k once (per row they were a read-modify-write of tq each).
+// dO_k[u] = dor[k * kTile + u], a_k[u] = a[k * a_stride + u], cr_k[u] = cr[k * kTile + u].
+template <int G, int C, bool Self, bool Fresh, typename T>
+ATTNRES_INLINE void source_grad_block(const T* v, T* dv, int64_t d, int64_t tn, const T* const* dor, const T* q,
+                                      const T* a, int64_t a_stride, const T* cr, const T* cs, const T* r, T* tq,
+                                      int64_t j0) {
+  using V = vec<T>;
+  constexpr int64_t W = sizeof(V) / sizeof(T);
+  V tacc[G][C] = {};
+  for (int64_t u = 0; u < tn; ++u) {
+    const T* vu = v + u * d + j0;
+    T* ou = dv + u * d + j0;
+    for (int c = 0; c < C; ++c) {
+      const V x = load<V>(vu + c * W);
+      V acc = Fresh ? V{} : load<V>(ou + c * W);
+      if constexpr (Self) acc += cs[u] * (x * r[u]);
+      for (int k = 0; k < G; ++k) {
+        acc += a[k * a_stride + u] * load<V>(dor[k * kTile + u] + j0 + c * W) +
+               cr[k * kTile + u] * load<V>(q + k * d + j0 + c * W);
+        tacc[k][c] += cr[k * kTile + u] * x;
+      }
+      store(ou + c * W, acc);
+    }
+  }
+  for (int k = 0; k < G; ++k)
+    for (int c = 0; c < C; ++c) store(tq + k * d + j0 + c * W, load<V>(tq + k * d + j0 + c * W) + tacc[k][c]);
+}
+
+// source_grad_block over a whole row: blocks of 8 / G chunks (the query-gradient sums in at most
+// 8 vector registers), the chunks left as one block, then the values past the last whole chunk
+// one at a time
+template <int G, bool Self, bool Fresh, typename T>
+ATTNRES_INLINE void source_grad(const T* v, T* dv, int64_t d, int64_t tn, const T* const* dor, const T* q,
+                                const T* a, int64_t a_stride, const T* cr, const T* cs, const T* r, T* tq) {
+  constexpr int64_t W = sizeof(vec<T>) / sizeof(T);
+  constexpr int C = G == 1 ? 8 : G == 2 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + C * W <= d; j += C * W)
+    source_grad_block<G, C, Self, Fresh>(v, dv, d, tn, dor, q, a, a_stride, cr, cs, r, tq, j);
+  with_chunks_left<C>((d - j) / W, [&](auto c) {
+    source_grad_block<G, decltype(c)::value, Self, Fresh>(v, dv, d, tn, dor, q, a, a_stride, cr, cs, r, tq, j);
+    j += decltype(c)::value * W;
+  });
+  for (; j < d; ++j) {
+    T tsum[G] = {};
+    for (int64_t u = 0; u < tn; ++u) {
+      const T x = v[u * d + j];
+      T acc = Fresh ? T(0) : dv[u * d + j];
+      if constexpr (Self) acc += cs[u] * (x * r[u]);
+      for (int k = 0; k < G; ++k) {
+        acc += a[k * a_stride + u] * dor[k * kTile + u][j] + cr[k * kTile + u] * q[k * d + j];
+        tsum[k] += cr[k * kTile + u] * x;
+      }
+      dv[u * d + j] = acc;
+    }
+    for (int k = 0; k < G; ++k) tq[k * d + j] += tsum[k];
+  }
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -425,6 +663,7 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
   auto body = [&](auto tag, auto width) {
     using T = decltype(tag);
     const int64_t d = decltype(width)::value ? decltype(width)::value : d_any;  // a constant where it can be
+    constexpr int64_t W = sizeof(vec<T>) / sizeof(T);  // tokens per group of logits
     const T* q = queries.data_ptr<T>();
     T* rp = r.data_ptr<T>();
     T* zp = z.data_ptr<T>();
@@ -438,26 +677,27 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
     at::parallel_for(0, m, kGrain, [&](int64_t begin, int64_t end) {
       const int64_t off = has_prefix ? 1 : 0, cnt = n + off;
       // per tile: the logits zs[(k * cnt + i) * kTile + u], the weights in the same layout
-      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), zk(kGroup + 1), lt(kTile), ss(n * kTile);
+      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), lt(kTile), ss(n * kTile);
       std::vector<T*> orow(K);
       for (int64_t t0 = begin; t0 < end; t0 += kTile) {
         const int64_t tn = std::min(kTile, end - t0);
         // the logits: each source row read once for all K queries, v . v beside v . q_k when
         // the statistic is not given; then the statistics and the scaling vectorised across the tile
-        for (int64_t u = 0; u < tn; ++u) {
-          const int64_t t = t0 + u;
-          for (int64_t i = 0; i < n; ++i) {
-            const T* v = static_cast<const T*>(src[i]) + t * d;
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t u0 = 0; u0 < tn; u0 += W) {  // W tokens' logits at a time (`group_dots`)
+            const T* v = static_cast<const T*>(src[i]) + (t0 + u0) * d;
+            const int64_t un = std::min(W, tn - u0);
             for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
               with_group(std::min<int64_t>(kGroup, K - k0), [&](auto g) {
                 constexpr int G = decltype(g)::value;
+                T* into[kGroup + 1];
+                for (int k = 0; k < G; ++k) into[k] = zs.data() + ((k0 + k) * cnt + off + i) * kTile + u0;
                 if (k0 == 0 && !cached) {
-                  dots<G, true>(v, qrows.data(), d, zk.data());
-                  ss[i * kTile + u] = zk[G];
+                  into[G] = ss.data() + i * kTile + u0;
+                  group_dots<G, true>(v, qrows.data(), d, un, into);
                 } else {
-                  dots<G>(v, qrows.data() + k0, d, zk.data());
+                  group_dots<G, false>(v, qrows.data() + k0, d, un, into);
                 }
-                for (int k = 0; k < G; ++k) zs[((k0 + k) * cnt + off + i) * kTile + u] = zk[k];
               });
             }
           }
@@ -494,27 +734,24 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> forward(
         // with a fused norm, output 0's h goes to its own tensor and output 0 gets y = RMSNorm(h) w
         for (int64_t k = 0; k < K; ++k)
           orow[k] = has_norm && k == 0 ? hp + t * d : static_cast<T*>(const_cast<void*>(outp[k])) + t * d;
-        // the weighted sums: each source row read once per group of queries
-        for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
-          with_group(std::min<int64_t>(kGroup, K - k0), [&](auto g) {
-            constexpr int G = decltype(g)::value;
-            T a[kGroup];
-            for (int64_t i = 0; i < n; ++i) {
-              for (int k = 0; k < G; ++k) a[k] = alpha[((k0 + k) * cnt + off + i) * kTile + u];
-              const T* v = static_cast<const T*>(src[i]) + t * d;
-              if (i == 0) {
-                axpys<G, true>(v, a, orow.data() + k0, d);
-              } else {
-                axpys<G, false>(v, a, orow.data() + k0, d);
-              }
-            }
-          });
-        }
+        // the weighted sums, the prefix's term first where there is one: each source row read
+        // once per group of queries, the outputs kept in registers over the sources
         if (has_prefix) {
           for (int64_t k = 0; k < K; ++k) {
             const T a = alpha[k * cnt * kTile + u];
-            axpys<1, false>(static_cast<const T*>(pre[k]) + t * d, &a, orow.data() + k, d);
+            axpys<1, true>(static_cast<const T*>(pre[k]) + t * d, &a, orow.data() + k, d);
           }
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+          with_group(std::min<int64_t>(kGroup, K - k0), [&](auto g) {
+            constexpr int G = decltype(g)::value;
+            const T* a = alpha.data() + (k0 * cnt + off) * kTile + u;
+            if (has_prefix) {
+              weighted_rows<G, false>(src.data(), t * d, n, a, cnt * kTile, orow.data() + k0, d);
+            } else {
+              weighted_rows<G, true>(src.data(), t * d, n, a, cnt * kTile, orow.data() + k0, d);
+            }
+          });
         }
         if (has_norm) {  // y = h * n * w from the unrounded h
           const T* o = orow[0];
@@ -596,8 +833,11 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
   const auto src = pointers(vals), ops = pointers(outs), dop = pointers(dO), dvp = pointers(dV),
              dph = pointers(d_pre_h);
 
-  auto body = [&](auto tag) {
+  const int64_t d_any = d;
+  auto body = [&](auto tag, auto width) {
     using T = decltype(tag);
+    const int64_t d = decltype(width)::value ? decltype(width)::value : d_any;  // a constant where it can be
+    constexpr int64_t W = sizeof(vec<T>) / sizeof(T);  // tokens per group of dot products
     const T* q = queries.data_ptr<T>();
     const T* rp = r.data_ptr<T>();
     const T* zp = z.data_ptr<T>();
@@ -611,10 +851,11 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
     T* dpl = has_prefix ? d_pre_lse.data_ptr<T>() : nullptr;
     at::parallel_for(0, m, kGrain, [&](int64_t begin, int64_t end) {
       const int64_t off = has_prefix ? 1 : 0, cnt = n + off;
-      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), lt(kTile), g(K * n), dz(K * n), dobuf(d),
-          zero(d, T(0)), gk(kGroup);
+      // per tile: the weights as the forward's zs / alpha, g and dz as [(k * n + i) * kTile + u]
+      std::vector<T> zs(K * cnt * kTile), alpha(K * cnt * kTile), lt(kTile), g(K * n * kTile), dz(K * n * kTile),
+          cr(K * kTile), dobuf(kTile * d), zero(d, T(0));
       std::vector<T> tq((K + 1) * d, T(0));  // this thread's query / norm-weight sums since the last flush
-      std::vector<const T*> dorow(K);
+      std::vector<const T*> dorows(K * kTile);
       double* mine = acc.data() + at::get_thread_num() * (K + 1) * d;
       auto flush = [&] {  // into this thread's float64 sums every kGrain tokens
         for (int64_t j = 0; j < (K + 1) * d; ++j) mine[j] += tq[j];
@@ -632,100 +873,125 @@ std::tuple<std::vector<Tensor>, Tensor, std::vector<Tensor>, Tensor, Tensor> bac
           for (int64_t u = 0; u < tn; ++u) lt[u] = lp[k * m + t0 + u];
           weights_tile(zk_, lt.data(), cnt, tn, alpha.data() + k * cnt * kTile);
         }
+        // the cotangent rows of the tile's tokens, dorows[k * kTile + u]
         for (int64_t u = 0; u < tn; ++u) {
-        const int64_t t = t0 + u;
-        for (int64_t k = 0; k < K; ++k) {
-          const T* dy = present[k] ? static_cast<const T*>(dop[k]) + t * d : zero.data();
-          if (has_norm && k == 0) {  // from the cotangent of y = h * n * w to that of h (output 0)
-            const T* hr = hp + t * d;
-            const T nh = hnp[t];
-            T* db = dobuf.data();
-            T* tw = tq.data() + K * d;
-            T s = 0;
+          const int64_t t = t0 + u;
+          for (int64_t k = 0; k < K; ++k) {
+            const T* dy = present[k] ? static_cast<const T*>(dop[k]) + t * d : zero.data();
+            if (has_norm && k == 0) {  // from the cotangent of y = h * n * w to that of h (output 0)
+              const T* hr = hp + t * d;
+              const T nh = hnp[t];
+              T* db = dobuf.data() + u * d;
+              T* tw = tq.data() + K * d;
+              T s = 0;
 #pragma omp simd reduction(+ : s)
-            for (int64_t j = 0; j < d; ++j) {
-              const T wdy = dy[j] * w[j];
-              tw[j] += nh * dy[j] * hr[j];
-              db[j] = wdy;
-              s += wdy * hr[j];
-            }
-            // n^3 / D (wdy . h) h as (n (wdy . h) n / D) (n h): n^3 alone under- or overflows
-            const T c = nh * s * nh / T(d);
+              for (int64_t j = 0; j < d; ++j) {
+                const T wdy = dy[j] * w[j];
+                tw[j] += nh * dy[j] * hr[j];
+                db[j] = wdy;
+                s += wdy * hr[j];
+              }
+              // n^3 / D (wdy . h) h as (n (wdy . h) n / D) (n h): n^3 alone under- or overflows
+              const T c = nh * s * nh / T(d);
 #pragma omp simd
-            for (int64_t j = 0; j < d; ++j) db[j] = db[j] * nh - c * (hr[j] * nh);
-            dorow[k] = db;
-          } else {
-            dorow[k] = dy;
+              for (int64_t j = 0; j < d; ++j) db[j] = db[j] * nh - c * (hr[j] * nh);
+              dorows[k * kTile + u] = db;
+            } else {
+              dorows[k * kTile + u] = dy;
+            }
           }
         }
-        // g_ki = dO_k . v_i: each source row read once per group of queries
+        // g[(k * n + i) * kTile + u] = dO_k . v_i of token u: W tokens of a source at a time
         for (int64_t i = 0; i < n; ++i) {
-          const T* v = static_cast<const T*>(src[i]) + t * d;
-          for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
-            with_group(std::min<int64_t>(kGroup, K - k0), [&](auto gr) {
-              dots<decltype(gr)::value>(v, dorow.data() + k0, d, gk.data());
-              for (int k = 0; k < decltype(gr)::value; ++k) g[(k0 + k) * n + i] = gk[k];
-            });
+          for (int64_t u0 = 0; u0 < tn; u0 += W) {
+            const T* v = static_cast<const T*>(src[i]) + (t0 + u0) * d;
+            const int64_t un = std::min(W, tn - u0);
+            for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+              with_group(std::min<int64_t>(kGroup, K - k0), [&](auto gr) {
+                constexpr int G = decltype(gr)::value;
+                T* into[kGroup];
+                for (int k = 0; k < G; ++k) into[k] = g.data() + ((k0 + k) * n + i) * kTile + u0;
+                group_row_dots<G>(v, dorows.data() + k0 * kTile + u0, d, un, into);
+              });
+            }
           }
         }
+        // the logits' cotangents dz, across the tile's tokens
         for (int64_t k = 0; k < K; ++k) {
-          const T* a = alpha.data() + (k * cnt + off) * kTile + u;  // a[i * kTile]: source i's weight
-          T ag = 0;
-          for (int64_t i = 0; i < n; ++i) ag += a[i * kTile] * g[k * n + i];
-          // with a prefix P_k = dO_k . h_k, where output 0's h is the tensor kept beside its y
-          const T P = !has_prefix ? ag
-                      : dot(dorow[k], has_norm && k == 0 ? hp + t * d : static_cast<const T*>(ops[k]) + t * d, d);
-          const T dl = has_dlse ? dlp[k * m + t] : T(0);
+          const T* ak = alpha.data() + (k * cnt + off) * kTile;  // ak[i * kTile + u]: source i's weight
+          const T* gk = g.data() + k * n * kTile;
+          T* dzk = dz.data() + k * n * kTile;
+          T ag[kTile] = {}, P[kTile], dl[kTile];
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t u = 0; u < tn; ++u) ag[u] += ak[i * kTile + u] * gk[i * kTile + u];
+          for (int64_t u = 0; u < tn; ++u) {
+            // with a prefix P_k = dO_k . h_k, where output 0's h is the tensor kept beside its y
+            const int64_t t = t0 + u;
+            P[u] = !has_prefix ? ag[u]
+                   : dot(dorows[k * kTile + u], has_norm && k == 0 ? hp + t * d : static_cast<const T*>(ops[k]) + t * d, d);
+            dl[u] = has_dlse ? dlp[k * m + t] : T(0);
+          }
           for (int64_t i = 0; i < n; ++i) {
-            T v = a[i * kTile] * (g[k * n + i] - P) + a[i * kTile] * dl;
-            if (has_dz) v += dzp[(k * n + i) * m + t];
-            dz[k * n + i] = v;
+            for (int64_t u = 0; u < tn; ++u) {
+              const T a = ak[i * kTile + u];
+              dzk[i * kTile + u] = a * (gk[i * kTile + u] - P[u]) + a * dl[u];
+            }
+            if (has_dz)
+              for (int64_t u = 0; u < tn; ++u) dzk[i * kTile + u] += dzp[(k * n + i) * m + t0 + u];
           }
           if (has_prefix) {
-            const T ap = alpha[k * cnt * kTile + u];
-            dpl[k * m + t] = P - ag - ap * P + ap * dl;
-            T* o = static_cast<T*>(const_cast<void*>(dph[k])) + t * d;
-            const T* dor = dorow[k];
+            for (int64_t u = 0; u < tn; ++u) {
+              const int64_t t = t0 + u;
+              const T ap = alpha[k * cnt * kTile + u];
+              dpl[k * m + t] = P[u] - ag[u] - ap * P[u] + ap * dl[u];
+              T* o = static_cast<T*>(const_cast<void*>(dph[k])) + t * d;
+              const T* dor = dorows[k * kTile + u];
 #pragma omp simd
-            for (int64_t j = 0; j < d; ++j) o[j] = ap * dor[j];
+              for (int64_t j = 0; j < d; ++j) o[j] = ap * dor[j];
+            }
           }
         }
         // dv_i = c_i (r_i v_i) + sum_k (alpha_ki dO_k + dz_ki r_i q_k): each source row read once
+        // per group of queries, the query-gradient terms summed over the tile in registers
         for (int64_t i = 0; i < n; ++i) {
-          const T* v = static_cast<const T*>(src[i]) + t * d;
-          const T ri = rp[i * m + t];
-          T cz = 0;
-          for (int64_t k = 0; k < K; ++k) cz += dz[k * n + i] * zp[(k * n + i) * m + t];
+          T rt[kTile], cz[kTile] = {}, ct[kTile];
+          for (int64_t u = 0; u < tn; ++u) rt[u] = rp[i * m + t0 + u];
+          for (int64_t k = 0; k < K; ++k) {
+            const T* dzk = dz.data() + (k * n + i) * kTile;
+            const T* zk = zp + (k * n + i) * m + t0;
+            T* crk = cr.data() + k * kTile;
+            for (int64_t u = 0; u < tn; ++u) {
+              cz[u] += dzk[u] * zk[u];
+              crk[u] = dzk[u] * rt[u];
+            }
+          }
           // the derivative through r_i, c (r_i v_i) with c = -cz r_i / D: r_i^2 alone under- or
           // overflows for |v| beyond ~1e19 or below ~1e-19 in float32, (r_i v_i) and c do not
-          const T c = -cz * ri / T(d);
-          T* o = static_cast<T*>(const_cast<void*>(dvp[i])) + t * d;
+          for (int64_t u = 0; u < tn; ++u) ct[u] = -cz[u] * rt[u] / T(d);
+          const T* v = static_cast<const T*>(src[i]) + t0 * d;
+          T* o = static_cast<T*>(const_cast<void*>(dvp[i])) + t0 * d;
           for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
             with_group(std::min<int64_t>(kGroup, K - k0), [&](auto gr) {
               constexpr int G = decltype(gr)::value;
-              T a[kGroup], cr[kGroup];
-              for (int k = 0; k < G; ++k) {
-                a[k] = alpha[((k0 + k) * cnt + off + i) * kTile + u];
-                cr[k] = dz[(k0 + k) * n + i] * ri;
-              }
+              const T* a = alpha.data() + (k0 * cnt + off + i) * kTile;
+              const T* const* dk = dorows.data() + k0 * kTile;
+              const T* crk = cr.data() + k0 * kTile;
               T* tk = tq.data() + k0 * d;
-              const T* const* dk = dorow.data() + k0;
               if (k0 > 0) {
-                dv_terms<G, false, false>(o, v, dk, q + k0 * d, a, cr, tk, d);
+                source_grad<G, false, false>(v, o, d, tn, dk, q + k0 * d, a, cnt * kTile, crk, ct, rt, tk);
               } else if (adds[i]) {
-                dv_terms<G, true, false>(o, v, dk, q, a, cr, tk, d, c, ri);
+                source_grad<G, true, false>(v, o, d, tn, dk, q, a, cnt * kTile, crk, ct, rt, tk);
               } else {
-                dv_terms<G, true, true>(o, v, dk, q, a, cr, tk, d, c, ri);
+                source_grad<G, true, true>(v, o, d, tn, dk, q, a, cnt * kTile, crk, ct, rt, tk);
               }
             });
           }
-        }
         }
       }
       flush();
     });
   };
-  dispatch(dt, body);
+  dispatch_width(dt, d, body);
   Tensor d_q = at::zeros({K, d}, queries.options().dtype(at::kDouble));
   Tensor d_w = at::zeros({has_norm ? d : 0}, queries.options().dtype(at::kDouble));
   double* dqp = d_q.data_ptr<double>();
