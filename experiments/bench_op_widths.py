@@ -20,9 +20,14 @@ copy's seconds per byte: the ratio to the floor a long call tends to), the stati
 (the forward with the key statistics given), the fixed and per-value cost of a source row (the
 per-token slopes across widths).
 
+`--baseline REV` times the C++ ops alone (forward; forward + backward) of this checkout beside
+those of git revision REV, built under another library name and loaded in the same process, in
+interleaved rounds: a kernel change measured on a loaded machine without a second process.
+
     python experiments/bench_op_widths.py                      # D 32, 64, 96, 128, 256
     python experiments/bench_op_widths.py --widths 32 --tokens-sweep
     python experiments/bench_op_widths.py --widths 32,64,96 --profile
+    python experiments/bench_op_widths.py --baseline HEAD~1 --widths 32,64,96,256
 """
 
 from __future__ import annotations

@@ -8,9 +8,12 @@
 // residual (experiments/BENCHMARKS.md, "Small models on CPU").
 //
 // Tokens go in tiles of kTile: the softmax of a tile is vectorised across its tokens (exp from
-// arithmetic, `exp_simd`), everything else per token across D. Backward, a source's gradient
-// is written fresh or added into a buffer the caller passes (`accumulate`: the gradient sink
-// of cpu_fused.py, one buffer per source over all the calls that read it).
+// arithmetic, `exp_lanes`); the dot products are formed for W tokens of a source at a time and
+// the weighted sums and gradients a block of columns at a time in registers, so that what a
+// row costs beyond its bytes is paid once per group of rows ("rows in groups" below).
+// Backward, a source's gradient is written fresh or added into a buffer the caller passes
+// (`accumulate`: the gradient sink of cpu_fused.py, one buffer per source over all the calls
+// that read it).
 //
 // A fused output norm (`out_norm`, the weight w, with its own eps: the next sublayer's pre-norm)
 // turns output 0 into y = RMSNorm(h_0) w, formed from the unrounded h_0 while its row is in L1,
