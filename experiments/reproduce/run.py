@@ -243,12 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p for p in PARTS if p.name in wanted]
     for number, part in enumerate(parts, 1):
         print(f"\n== part {number}/{len(parts)}: {part.name}: {part.question}", flush=True)
-        spent = read_state(out).get(part.name, {}).get("wall_s", 0.0)
-        left = None if part.budget_h is None or args.over_budget else part.budget_h * 3600 - spent
-        if left is not None and left <= 0:
-            print(f"== part {part.name}: its budget of {part.budget_h:g} h is spent ({spent / 3600:.2f} h in all): "
+        wall = state.get(part.name, {}).get("wall_s", 0.0)  # no other part's run changes this part's entry
+        if part.name in spent:
+            print(f"== part {part.name}: its budget of {part.budget_h:g} h is spent ({wall / 3600:.2f} h in all): "
                   "not run again (--over-budget runs it)", flush=True)
             continue
+        left = None if part.budget_h is None or args.over_budget else part.budget_h * 3600 - wall
         start = time.monotonic()
         deadline = None if left is None else start + left
         codes = [prepare()] if part.name == "prepare" else []
