@@ -35,8 +35,8 @@ queries of several sublayers against all completed sources in one pass (phase 1,
 `merge_completed` extends by sources completed since), and each sublayer's own newest
 sources merged in with an online-softmax update (phase 2). Each takes the next sublayer's
 pre-norm too (`output_norm_weight=`, `output_norm_eps=`), applied to its first output: the C++
-kernel fuses it into the same loop over the tokens (forward and backward; `cpu_fused`), the
-other implementations compose it (`F.rms_norm` on the mixed h, the same math).
+and Triton kernels fuse it into the same loop over the tokens (forward and backward; `cpu_fused`,
+`triton_fused`), the other implementations compose it (`F.rms_norm` on the mixed h, the same math).
 """
 
 
@@ -230,14 +230,10 @@ def merge_completed(
     if limit is None or len(accs) <= limit:
         return _run_normed(impl, sources, inv_rms, queries, list(accs), lse, eps, stacked, output_norm_weight,
                            output_norm_eps)
-    if output_norm_weight is not None:  # a pass per query: the norm composed on the first output
-        outs, merged = merge_completed(accs, lse, sources, inv_rms, queries, eps, kernel, stacked)
-        eps_n = eps if output_norm_eps is None else output_norm_eps
-        return [_prenorm(outs[0], output_norm_weight, eps_n), *outs[1:]], merged
-    outs, merged = [], []  # a kernel that takes one query with a prefix: a call per query
+    outs, merged = [], []  # a kernel that takes one query with a prefix: a call per query, the norm in the first
     for k, acc in enumerate(accs):
-        out, _, one = impl.run_depth_attention(sources, inv_rms, queries[k : k + 1], [acc], lse[k : k + 1], eps,
-                                               stacked=stacked)
+        out, one = _run_normed(impl, sources, inv_rms, queries[k : k + 1], [acc], lse[k : k + 1], eps, stacked,
+                               output_norm_weight if k == 0 else None, output_norm_eps)
         outs += out
         merged.append(one)
     return outs, torch.cat(merged)
@@ -265,7 +261,8 @@ def merge_partial(
     sources (e.g. the block's partial sum) under the same query (D,), as one softmax over all:
     the online-softmax merge. `inv_rms`: (len(sources), ...) or None. `stacked`: as for
     `completed_attention`. Returns h (..., D), or with `output_norm_weight` (D,)
-    RMSNorm(h) * output_norm_weight (eps `output_norm_eps`, None: `eps`; fused on the C++ kernel)."""
+    RMSNorm(h) * output_norm_weight (eps `output_norm_eps`, None: `eps`; fused on the C++ and Triton
+    kernels)."""
     sources = list(sources)
     kernel = resolve_kernel(kernel, acc)
     impl = implementation("torch" if kernel == "naive" else kernel)

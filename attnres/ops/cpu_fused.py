@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnres.ops.torch_fused import attend, differentiable_backward, inv_rms, second_order
+from attnres.ops.torch_fused import SECOND_ORDER_NORMED_MERGE, attend, differentiable_backward, inv_rms, second_order
 
 __all__ = ["DTYPES", "GradSink", "available", "fused_depth_attention", "inv_rms", "load_error", "mix_one",
            "run_depth_attention"]
@@ -41,11 +41,6 @@ CACHED_STATISTICS = False  # `SourceStack` keeps no key statistics: the kernel c
 # `run_depth_attention(out_norm=...)` norms output 0 of any call (K queries, a prefix or not): the
 # strategies' two-phase sites can hand the next sublayer its pre-norm (`attnres.functional`)
 FUSED_OUTPUT_NORM = True
-SECOND_ORDER_NORMED_MERGE = (
-    "attnres: a second-order gradient (create_graph=True) through a merge with the next sublayer's pre-norm "
-    "fused in (the Block/Full strategies' fuse_prenorm on kernel='cpu') is not available: set fuse_prenorm=False "
-    "on the strategy (residual.fuse_prenorm=false), or use kernel='naive'"
-)
 SOURCE = Path(__file__).with_name("csrc") / "depth_attention_cpu.cpp"
 OPENMP_FAILED = "openmp-failed"  # in an OpenMP build's folder: that build failed here, do not try again
 _lock = threading.Lock()

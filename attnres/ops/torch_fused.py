@@ -266,6 +266,15 @@ SECOND_ORDER_STACKED = (
 )
 
 
+# the C++ and Triton kernels' refusal: a merge's h with the next pre-norm fused in needs the prefix's
+# value, which their forward does not keep
+SECOND_ORDER_NORMED_MERGE = (
+    "attnres: a second-order gradient (create_graph=True) through a merge with the next sublayer's pre-norm "
+    "fused in (the Block/Full strategies' fuse_prenorm on kernel='cpu' or 'triton') is not available: set "
+    "fuse_prenorm=False on the strategy (residual.fuse_prenorm=false), or use kernel='naive'"
+)
+
+
 def second_order() -> bool:
     """Whether a backward running now builds a graph of its own (create_graph=True: its result
     is differentiated again), so it must run in differentiable operations. Never while torch.compile

@@ -27,10 +27,12 @@ never imports triton.
   `experiments/kernel_resources.py` compiles every variant for sm_90 without a GPU and
   reports registers, spills and the instructions the loops issue per byte; a test holds the
   spills.
-- The fused output RMSNorm (`out_norm`, one query): the forward normalises h in registers
-  before its one store (and stores h too only when a backward may need it); the backward
-  turns the incoming cotangent of y into that of h right after loading it, and sums the
-  weight's gradient per program like the query's. No extra pass over memory either way.
+- The fused output RMSNorm (`out_norm`, on output 0 of any call: one query or several, a prefix
+  or not): the forward normalises h in registers before its one store (and stores h too only
+  when a backward may need it); the backward turns the incoming cotangent of y into that of h
+  right after loading it (and with a prefix reads h, not y, for P = dO . h), and sums the
+  weight's gradient per program like the query's. No extra pass over memory either way. A
+  second-order gradient through a normed merge is refused (its h needs the prefix's value).
 - `torch.library.custom_op` registrations (`attnres::depth_attention_fwd`/`_bwd`,
   `attnres::inv_rms`) with fake implementations and `register_autograd`, so torch.compile
   keeps them as single graph nodes instead of breaking the graph.
@@ -50,10 +52,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnres.ops.torch_fused import attend, differentiable_backward, second_order
+from attnres.ops.torch_fused import SECOND_ORDER_NORMED_MERGE, attend, differentiable_backward, second_order
 
 __all__ = ["fused_depth_attention", "inv_rms", "run_depth_attention"]
 PREFIX_QUERIES = 1  # a prefix (phase-1 result) is taken with one query per call; other kernels take any
+# `run_depth_attention(out_norm=...)` norms output 0 of any call (K queries, a prefix or not): the
+# strategies' two-phase sites hand the next sublayer its pre-norm from the kernel (`attnres.functional`)
+FUSED_OUTPUT_NORM = True
 
 MAX_K = 4  # queries served by one launch at most; more are split into several launches
 _MAX_BLOCK_D = 16384
@@ -151,7 +156,7 @@ def _inv_rms_kernel(x_ptr, r_ptr, M, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.
 @triton.jit(do_not_specialize=["n_src"])
 def _fwd_kernel(
     srcs, n_src, r_in, q_ptr, pre_h, pre_lse, outs, z_ptr, lse_ptr, r_out, on_ptr, h_out, hn_out,
-    M, D, eps,
+    M, D, eps, out_eps,
     K: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
     HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_ONORM: tl.constexpr = False, STORE_H: tl.constexpr = False,
@@ -190,13 +195,20 @@ def _fwd_kernel(
         m = m_new
     tl.store(lse_ptr + ks[:, None] * M + rows[None, :], m + tl.log(l_sum), mask=zmask)
     out = acc / l_sum[:, :, None]  # (KP, BM, BD)
-    if HAS_ONORM:  # K == 1: the fused output RMSNorm, y = h * n * w, from h in registers
-        hn = 1.0 / tl.sqrt(tl.sum(out * out, axis=2) / D + eps)  # (1, BM)
+    if HAS_ONORM:  # the fused output RMSNorm of output 0, y = h * n * w, from h in registers
+        if KP == 1:
+            h0 = out
+        else:
+            h0 = tl.sum(tl.where(k3 == 0, out, 0.0), axis=0, keep_dims=True)  # (1, BM, BD)
+        hn = 1.0 / tl.sqrt(tl.sum(h0 * h0, axis=2) / D + out_eps)  # (1, BM)
         tl.store(hn_out + rows[None, :], hn, mask=rmask)
         if STORE_H:  # for the backward
-            tl.store(h_out + offs, out.to(h_out.dtype.element_ty), mask=mask)
+            tl.store(h_out + offs, h0.to(h_out.dtype.element_ty), mask=mask)
         w = tl.load(on_ptr + c3, mask=c3 < D, other=0.0)  # (1, 1, BD)
-        out = out * hn[:, :, None] * w
+        if KP == 1:
+            out = h0 * hn[:, :, None] * w
+        else:
+            out = tl.where(k3 == 0, h0 * hn[:, :, None] * w, out)
     for k in tl.static_range(K):
         if KP == 1:
             o = out
@@ -234,14 +246,22 @@ def _bwd_kernel(
             for k in tl.static_range(K):
                 dok = tl.load(d_outs[k] + offs, mask=mask, other=0.0).to(tl.float32)
                 d_o = tl.where(k3 == k, dok, d_o)
-        if HAS_ONORM:  # K == 1: d_o is the cotangent of y = h * n * w; make it that of h
+        if HAS_ONORM:  # d_o[0] is the cotangent of y = h * n * w (output 0); make it that of h
             hv = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (1, BM, BD)
             hn = tl.load(hn_ptr + rows[None, :], mask=rmask, other=0.0)[:, :, None]  # (1, BM, 1)
             w = tl.load(on_ptr + c3, mask=c3 < D, other=0.0)  # (1, 1, BD)
-            dw += tl.sum(d_o * hv * hn, axis=1, keep_dims=True)
-            wdy = w * d_o
+            if KP == 1:
+                dy = d_o
+            else:
+                dy = tl.sum(tl.where(k3 == 0, d_o, 0.0), axis=0, keep_dims=True)  # (1, BM, BD)
+            dw += tl.sum(dy * hv * hn, axis=1, keep_dims=True)
+            wdy = w * dy
             # n^3 / D (wdy . h) h as (n (wdy . h) n / D) (n h): n^3 alone under- or overflows
-            d_o = hn * wdy - (hn * tl.sum(wdy * hv, axis=2, keep_dims=True) * hn / D) * (hn * hv)
+            dh0 = hn * wdy - (hn * tl.sum(wdy * hv, axis=2, keep_dims=True) * hn / D) * (hn * hv)
+            if KP == 1:
+                d_o = dh0
+            else:
+                d_o = tl.where(k3 == 0, dh0, d_o)
         lse = tl.load(lse_ptr + kz, mask=zmask, other=0.0)
         if HAS_DLSE:
             dlse = tl.load(dlse_ptr + kz, mask=zmask, other=0.0)
@@ -251,7 +271,10 @@ def _bwd_kernel(
         # half an ulp of itself, and so is the sum of exp(z - lse) off 1 (torch_fused.py's
         # docstring says what that did to the gradients of a nearly saturated softmax).
         if HAS_PREFIX:  # P = dO . out from the saved output (K == 1); s from the logits alone
-            o = tl.load(outs[0] + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_ONORM:  # the output before the norm
+                o = hv
+            else:
+                o = tl.load(outs[0] + offs, mask=mask, other=0.0).to(tl.float32)
             P = tl.sum(d_o * o, axis=2)
             s = tl.exp(tl.load(pre_lse + kz, mask=zmask, other=0.0) - lse)
             for i in range(n_src):
@@ -356,6 +379,7 @@ def _fwd_op(
     eps: float,
     out_norm: Tensor | None,
     save_h: bool,
+    out_eps: float,
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor, Tensor]:
     sources = [_rows(v) for v in sources]
     first = sources[0]
@@ -371,8 +395,8 @@ def _fwd_op(
     has_prefix = prefix_lse is not None
     pre_h = tuple(_rows(p) for p in prefix_h) if has_prefix else (first,)
     pre_lse = _rows(prefix_lse.float()) if has_prefix else lse
-    has_onorm = out_norm is not None  # one query, no prefix (run_depth_attention checks)
-    h = first.new_empty(shape if has_onorm and save_h else (0,))  # the output before the norm
+    has_onorm = out_norm is not None  # on output 0: in the first launch
+    h = first.new_empty(shape if has_onorm and save_h else (0,))  # output 0 before the norm
     h_inv_rms = torch.empty(shape[:-1] if has_onorm else (0,), dtype=torch.float32, device=device)
     on = _rows(out_norm.float()) if has_onorm else queries
     per_launch = _queries_per_launch(d)
@@ -383,15 +407,15 @@ def _fwd_op(
         _fwd_kernel[(triton.cdiv(m, block_m),)](
             tuple(sources), n, r, queries[k0:], pre_h, pre_lse, tuple(outs[k0 : k0 + kc]), z[k0:], lse[k0:], r_new,
             on, h if save_h else first, h_inv_rms if has_onorm else lse,
-            m, d, eps,
+            m, d, eps, out_eps,
             K=kc, KP=kp, HAS_RMS=has_rms, HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_D=block_d,
-            HAS_ONORM=has_onorm, STORE_H=has_onorm and save_h, num_warps=num_warps,
+            HAS_ONORM=has_onorm and k0 == 0, STORE_H=has_onorm and save_h and k0 == 0, num_warps=num_warps,
         )
     return outs, z, lse, r_new, h, h_inv_rms
 
 
 @_fwd_op.register_fake
-def _(sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, save_h):
+def _(sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, save_h, out_eps):
     first = sources[0]
     K, n = queries.shape[0], len(sources)
     stat = {"dtype": torch.float32}
@@ -437,7 +461,7 @@ def _bwd_op(
     d_pre_h = [first.new_empty(first.shape)] if has_prefix else []
     d_pre_lse = torch.empty_like(lse) if has_prefix else lse.new_empty(0)
     d_q = torch.empty_like(queries)
-    has_onorm = out_norm is not None  # K == 1, no prefix
+    has_onorm = out_norm is not None  # on output 0: in the first launch
     on = _rows(out_norm.float()) if has_onorm else queries
     d_on = torch.empty(d if has_onorm else 0, dtype=torch.float32, device=device)
     for k0 in range(0, K, per_launch):
@@ -456,10 +480,11 @@ def _bwd_op(
             on, _rows(h) if has_onorm else first, _rows(h_inv_rms) if has_onorm else lse, dw_part,
             m, d, n_blocks,
             K=kc, KP=kp, HAS_PREFIX=has_prefix, HAS_DZ=dz_ext is not None, HAS_DLSE=dlse is not None,
-            ACCUMULATE=k0 > 0, BLOCK_M=block_m, BLOCK_D=block_d, HAS_ONORM=has_onorm, num_warps=num_warps,
+            ACCUMULATE=k0 > 0, BLOCK_M=block_m, BLOCK_D=block_d, HAS_ONORM=has_onorm and k0 == 0,
+            num_warps=num_warps,
         )
         d_q[k0 : k0 + kc] = dq_part.sum(0)
-        if has_onorm:
+        if has_onorm and k0 == 0:
             d_on = dw_part.sum(0)
     if split:
         d_src = [g.to(v.dtype) for g, v in zip(d_src, sources, strict=True)]
@@ -479,9 +504,10 @@ def _(sources, r, queries, z, lse, prefix_lse, outs, d_outs, dz_ext, dlse, out_n
 
 
 def _setup_context(ctx, inputs, output):
-    sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, save_h = inputs
+    sources, r_cache, queries, prefix_h, prefix_lse, eps, out_norm, save_h, out_eps = inputs
     outs, z, lse, r_new, h, h_inv_rms = output
     ctx.n, ctx.has_prefix, ctx.q_dtype, ctx.eps = len(sources), prefix_lse is not None, queries.dtype, eps
+    ctx.out_eps = out_eps
     ctx.has_onorm, ctx.on_dtype = out_norm is not None, None if out_norm is None else out_norm.dtype
     r = r_cache if r_cache is not None else r_new
     ctx.save_for_backward(
@@ -493,12 +519,14 @@ def _backward(ctx, d_outs, dz, dlse, _dr, _dh, _dhn):
     r, queries, z, lse, prefix_lse, out_norm, h, h_inv_rms, *rest = ctx.saved_tensors
     sources, outs = rest[: ctx.n], rest[ctx.n :]
     if second_order():  # create_graph=True: the backward in differentiable PyTorch operations
+        if ctx.has_onorm and ctx.has_prefix:  # h needs the prefix's value, which is not kept
+            raise RuntimeError(SECOND_ORDER_NORMED_MERGE)
         d_src, d_q, d_pre_h, d_pre_lse, d_on = differentiable_backward(
             sources, ctx.eps, queries.float(), z, lse, prefix_lse, outs, list(d_outs), dz, dlse,
-            out_norm.float() if ctx.has_onorm else None,
+            out_norm.float() if ctx.has_onorm else None, ctx.out_eps,
         )
         d_on = d_on.to(ctx.on_dtype) if ctx.has_onorm else None
-        return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None, d_on, None
+        return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None, d_on, None, None
     d_outs = [torch.zeros_like(sources[0]) if g is None else g for g in d_outs]
     if not ctx.has_onorm:
         out_norm = h = h_inv_rms = None
@@ -507,8 +535,8 @@ def _backward(ctx, d_outs, dz, dlse, _dr, _dh, _dhn):
     )
     d_on = d_on.to(ctx.on_dtype) if ctx.has_onorm else None
     if not ctx.has_prefix:
-        return d_src, None, d_q.to(ctx.q_dtype), [], None, None, d_on, None
-    return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None, d_on, None
+        return d_src, None, d_q.to(ctx.q_dtype), [], None, None, d_on, None, None
+    return d_src, None, d_q.to(ctx.q_dtype), d_pre_h, d_pre_lse, None, d_on, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -534,19 +562,21 @@ def run_depth_attention(
     eps: float = 1e-6,
     out_norm: Tensor | None = None,
     stacked: Tensor | None = None,
+    out_eps: float | None = None,
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """Differentiable (outs, z, lse) with respect to sources, queries, prefix_h, prefix_lse and
     out_norm (r_cache is a cached function of the sources, see torch_fused.py). `out_norm`: the
-    (D,) weight of the output RMSNorm fused into the kernels (one query, no prefix), or None;
-    h, the output before it, is written only when a gradient may be asked for. `stacked` (the
+    (D,) weight of an RMSNorm of output 0 (eps `out_eps`, None: `eps`) fused into the kernels,
+    for any number of queries, with or without a prefix (`FUSED_OUTPUT_NORM`), or None; h,
+    output 0 before it, is written only when a gradient may be asked for. `stacked` (the
     sources' values in one tensor) is accepted for torch_fused.py's signature and not used:
     the kernels read the sources where they are."""
-    if out_norm is not None and (queries.shape[0] != 1 or prefix_lse is not None):
-        raise ValueError("a fused output norm takes one query and no prefix")
+    out_eps = eps if out_eps is None else out_eps
     r_cache = None if r_cache is None else r_cache.detach()
     tensors = (queries, *sources, *prefix_h) + tuple(t for t in (prefix_lse, out_norm) if t is not None)
     save_h = out_norm is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    outs, z, lse, *_ = _fwd_op(list(sources), r_cache, queries, list(prefix_h), prefix_lse, eps, out_norm, save_h)
+    outs, z, lse, *_ = _fwd_op(list(sources), r_cache, queries, list(prefix_h), prefix_lse, eps, out_norm, save_h,
+                               out_eps)
     return outs, z, lse
 
 

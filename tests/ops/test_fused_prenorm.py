@@ -1,7 +1,8 @@
 """The next sublayer's pre-norm fused into the two-phase depth mix (`output_norm_weight=` on
-`completed_attention`, `merge_completed`, `merge_partial`; the C++ kernel fuses it, the other
-paths compose it) and the strategies' `fuse_prenorm`, against the unfused reference: the mix,
-then RMSNorm with the norm's own eps, in value and gradient."""
+`completed_attention`, `merge_completed`, `merge_partial`; the C++ and Triton kernels fuse it (Triton
+in its CPU interpreter without a GPU: tests/conftest.py), the other paths compose it) and the
+strategies' `fuse_prenorm`, against the unfused reference: the mix, then RMSNorm with the norm's own
+eps, in value and gradient."""
 
 # Arguments use DESIGN.md's shape names (S sources, D, K queries).
 # ruff: noqa: N803
@@ -9,24 +10,42 @@ then RMSNorm with the norm's own eps, in value and gradient."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 
 import pytest
 import torch
 
-from attnres import BlockAttentionResidual, FullAttentionResidual, Transformer
+from attnres import BlockAttentionResidual, FullAttentionResidual, Transformer, functional
 from attnres.functional import completed_attention, merge_completed, merge_partial
 from attnres.ops import cpu_fused, naive_depth_attention
+from attnres.ops.dispatch import triton_available
 
 pytestmark = [
     pytest.mark.usefixtures("torch_single_thread"),
     pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="needs a C++ compiler"),
 ]
 
+TRITON = triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+needs_triton = pytest.mark.skipif(not TRITON, reason="needs triton (CUDA, or its interpreter: TRITON_INTERPRET=1)")
+# (kernel, dtype): the C++ kernel at float64 and float32, Triton at float32 (its widest), the composed path at both
+KERNEL_DTYPES = [pytest.param(k, dt, id=f"{k}-f{dt.itemsize * 8}")
+                 for k in ("cpu", "torch") for dt in (torch.float64, torch.float32)]
+KERNEL_DTYPES.append(pytest.param("triton", torch.float32, id="triton-f32", marks=needs_triton))
 D = 12
 EPS, NORM_EPS = 1e-6, 1e-3  # the norm's own eps, unlike the mix's: the fused op must take it apart
 # (value, gradient) tolerances against the float64 reference
 TOLERANCE = {torch.float64: (1e-12, 1e-11), torch.float32: (1e-5, 1e-4)}
+
+
+def _fused_in_the_kernel(kernel, monkeypatch):
+    """On the kernels that fuse the norm (C++, Triton), a norm composed after the mix is an error."""
+    if kernel == "cpu":
+        assert cpu_fused.available(), cpu_fused.load_error()
+    if kernel in ("cpu", "triton"):
+        def composed(*args):
+            raise AssertionError(f"the pre-norm was composed after the mix on kernel={kernel!r}, not fused")
+        monkeypatch.setattr(functional, "_prenorm", composed)
 
 
 def _rms_norm64(h, w, eps):
@@ -63,15 +82,13 @@ def _check(outs, leaves, src, q, w, cots, dtype, rel_err):
         assert rel_err(got.double(), want) < tol_grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("K", [1, 3, 6])
 @pytest.mark.parametrize("S", range(1, 10), ids=lambda s: f"S{s}")
-def test_phase1_norms_output_zero(S, K, kernel, dtype, rel_err):
+def test_phase1_norms_output_zero(S, K, kernel, dtype, rel_err, monkeypatch):
     """Phase 1 over S sources with K queries: output 0 is RMSNorm(h_0) w (the norm's eps, not
     the mix's), the others untouched; gradients of sources, queries and w."""
-    if kernel == "cpu":
-        assert cpu_fused.available(), cpu_fused.load_error()
+    _fused_in_the_kernel(kernel, monkeypatch)
     src, q, w, cots = _case(S, K, seed=S * 10 + K)
     leaves = [t.to(dtype).requires_grad_() for t in (*src, q, w)]
     outs, lse = completed_attention(leaves[:S], None, leaves[S], EPS, kernel, output_norm_weight=leaves[S + 1],
@@ -79,16 +96,15 @@ def test_phase1_norms_output_zero(S, K, kernel, dtype, rel_err):
     _check(outs, leaves, src, q, w, cots, dtype, rel_err)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("K", [1, 5])
 @pytest.mark.parametrize("S", range(2, 10), ids=lambda s: f"S{s}")
-def test_merge_norms_output_zero(S, K, kernel, dtype, rel_err):
+def test_merge_norms_output_zero(S, K, kernel, dtype, rel_err, monkeypatch):
     """Phase 1 over the first sources, then the rest merged in with the pre-norm on output 0:
     `merge_partial` (K = 1, Full's phase 2 and Block's partial sum) and `merge_completed` (K
-    queries over a prefix: Block's block-early pass), every split of S sources."""
-    if kernel == "cpu":
-        assert cpu_fused.available(), cpu_fused.load_error()
+    queries over a prefix: Block's block-early pass; Triton takes one query a call, the norm in
+    the first), every split of S sources."""
+    _fused_in_the_kernel(kernel, monkeypatch)
     for first in range(1, S):
         src, q, w, cots = _case(S, K, seed=100 * S + 10 * K + first)
         leaves = [t.to(dtype).requires_grad_() for t in (*src, q, w)]
@@ -130,14 +146,16 @@ IDS = ["block3", "block-uneven-1-3-2", "block6-noagg", "block1", "full"]
 
 @pytest.mark.parametrize("strategy,kw", STRATEGIES, ids=IDS)
 @pytest.mark.parametrize("kernel,dtype,tol", [("cpu", torch.float64, 1e-12), ("cpu", torch.float32, 1e-4),
-                                              ("torch", torch.bfloat16, 3e-2)],
-                         ids=["cpu-f64", "cpu-f32", "torch-bf16"])
-def test_strategy_with_fused_prenorm_matches_the_reference(strategy, kw, kernel, dtype, tol, rel_err):
+                                              ("torch", torch.bfloat16, 3e-2),
+                                              pytest.param("triton", torch.float32, 1e-4, marks=needs_triton)],
+                         ids=["cpu-f64", "cpu-f32", "torch-bf16", "triton-f32"])
+def test_strategy_with_fused_prenorm_matches_the_reference(strategy, kw, kernel, dtype, tol, rel_err, monkeypatch):
     """A model whose strategy fuses each sublayer's pre-norm into its mix gives the reference
-    path's loss and every parameter's gradient (float64 reference; float32 on the C++ kernel,
-    bfloat16 on the composed plain-PyTorch path at their tolerances)."""
+    path's loss and every parameter's gradient (float64 reference; float32 on the C++ and Triton
+    kernels, bfloat16 on the composed plain-PyTorch path at their tolerances)."""
     idx = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
     want_loss, want = _loss_and_grads(_model(strategy, "naive", False, **kw), idx)
+    _fused_in_the_kernel(kernel, monkeypatch)
     fused = _model(strategy, kernel, True, dtype, **kw)
     calls = []
     for sub in fused.sublayers:  # every sublayer is handed its normed input
@@ -159,13 +177,15 @@ def test_hooked_sublayer_keeps_its_own_norm(strategy, kw):
     assert len(seen) == 1 and seen[0].shape == (1, 8, 16)
 
 
+@pytest.mark.parametrize("kernel,dtype", [pytest.param("cpu", torch.float64, id="cpu"),
+                                          pytest.param("triton", torch.float32, id="triton", marks=needs_triton)])
 @pytest.mark.parametrize("strategy,kw", STRATEGIES[:1] + STRATEGIES[-1:], ids=["block3", "full"])
-def test_double_backward_through_a_fused_merge_is_refused_in_one_line(strategy, kw):
+def test_double_backward_through_a_fused_merge_is_refused_in_one_line(strategy, kw, kernel, dtype):
     """A merge's h needs the prefix's value, which the fused op does not keep: a backward with
     create_graph=True through it stops with one line naming the fix."""
     idx = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
     with pytest.raises(RuntimeError, match=r"^attnres: a second-order gradient .* set fuse_prenorm=False[^\n]*$"):
-        _loss_and_grads(_model(strategy, "cpu", True, **kw), idx, create_graph=True)
+        _loss_and_grads(_model(strategy, kernel, True, dtype, **kw), idx, create_graph=True)
 
 
 def test_double_backward_through_a_fused_phase1_is_right():
