@@ -69,11 +69,18 @@ def requested(stop_file: str | Path | None) -> tuple[signal.Signals | None, int]
     return (signal.Signals[name] if name in signal.Signals.__members__ else None), int(record.get("count", 0))
 
 
+def _shielded(signum: int, frame: Any) -> None:
+    """A worker's handler of SIGINT and SIGTERM: nothing (`ignore_signals`)."""
+
+
 def ignore_signals() -> None:
     """In a worker: the sweep process takes SIGINT and SIGTERM for it (a worker killed by one would
-    take its job down mid-save)."""
+    take its job down mid-save). A handler that does nothing, not SIG_IGN: an ignored signal stays
+    ignored in the processes a worker starts, so a job process that got the sweep's forwarded
+    signal before its own handlers were in place (while importing) trained on to the end; a handler
+    is reset to the default at exec, and such a job ends at once, recorded `interrupted`."""
     for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _shielded)
 
 
 def wait_forwarding(proc: subprocess.Popen, stop_file: str | Path | None, poll_s: float = 0.3) -> int:

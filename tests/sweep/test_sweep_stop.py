@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -73,3 +74,22 @@ def test_a_second_sweep_into_a_folder_lists_its_own_jobs(tmp_path):
     assert "sweep: 1 job, 1 finished" in second.stdout, second.stdout[-2000:]
     summary = (tmp_path / "sweep" / "summary.md").read_text()
     assert "seed=0" not in summary and "2 run(s) of earlier sweeps" in summary, summary
+
+
+def test_a_job_process_a_worker_starts_is_not_deaf_to_the_signals_it_forwards():
+    """A worker survives SIGTERM and SIGINT (the sweep process takes them for it), yet the job
+    process it starts gets the default handling until its own handlers are in place: a signal the
+    worker forwards while the job still imports ends it (recorded `interrupted`), where an ignored
+    signal, inherited through exec, let such a job train on to the end."""
+    worker = (
+        "import os, signal, subprocess, sys\n"
+        "from attnres.sweep.stopping import ignore_signals\n"
+        "ignore_signals()\n"
+        "os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGINT)\n"
+        "job = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "job.send_signal(signal.SIGTERM)\n"
+        "print('worker alive, job', job.wait(timeout=30))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"worker alive, job {-signal.SIGTERM}"
