@@ -373,11 +373,19 @@ OP_PASSES = {
 }
 
 
+def op_arms(kernels: list[str]) -> list[tuple[str, str]]:
+    """(kernel, arm) pairs the op is timed as: each kernel plain; the kernels that fuse the next
+    sublayer's pre-norm (the C++ one, Triton's one-query path) also with it fused in (`+norm`) and
+    composed after the plain op (`,norm`), so the fused path's gain is measured on every device."""
+    return [(k, "") for k in kernels] + [(k, arm) for k in kernels if k in ("cpu", "triton")
+                                         for arm in ("+norm", ",norm")]
+
+
 def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
     """Depth attention over N + 1 sources of (B, T, D), forward and forward + backward, per
     implementation, against the floor (`OP_PASSES`: 3 (N + 1) + 2 tensor passes in all); on the
-    C++ kernel also with the next sublayer's pre-norm fused in (`cpu+norm`) and composed after it
-    (`cpu,norm`), each against its own floor."""
+    C++ and Triton kernels also with the next sublayer's pre-norm fused in (`cpu+norm`,
+    `triton+norm`) and composed after the op (`cpu,norm`, `triton,norm`), each against its own floor."""
     s, dev, dtype = args.shape, args.device, args.dtype
     n_src = args.num_blocks + 1
     sources, query, gain = op_inputs(n_src, (s["batch"], s["seq_len"]), s["n_embd"], args)
@@ -389,7 +397,7 @@ def bench_op(args: argparse.Namespace, bandwidth: float) -> dict:
         return {mode: passes(n_src) * tensor_bytes / bandwidth for mode, passes in OP_PASSES[arm].items()}
 
     kernels = op_kernels(sources[0])
-    arms = [(k, "") for k in kernels] + ([("cpu", "+norm"), ("cpu", ",norm")] if "cpu" in kernels else [])
+    arms = op_arms(kernels)
     timer = Timer(dev, args.cpu_time)
     out = {"sources": n_src, "tokens": s["batch"] * s["seq_len"], "D": s["n_embd"], "dtype": str(dtype),
            "bandwidth_bytes_per_s": bandwidth, "floor_s": floor(""), "kernels": {}}

@@ -11,8 +11,9 @@
 # ends, so a stage cut short by its time limit leaves what finished (at most 8 files: what a lent
 # device machine sends back): stages.json, summary.md, log.txt, and
 #   (a) a_tests.json    `-m gpu` over tests/, then tests/ops/test_kernels.py's Triton cases, on CUDA
-#   (b) b_bench.json    experiments/bench_residuals.py on GPT-small, --modes compiled, then eager; then
-#                       experiments/bench_decode.py (KV-cached decoding and prefill, attnres and Hugging
+#   (b) b_bench.json    experiments/bench_residuals.py on GPT-small, --modes compiled, then eager (eager also
+#                       block-prenorm and full-prenorm: the pre-norm fused; the op alone also fused and
+#                       composed, triton+norm and triton,norm); then experiments/bench_decode.py (KV-cached decoding and prefill, attnres and Hugging
 #                       Face generate(), batch 1 and 8), its figures under "decode"
 #   (c) c_runner.json   `attnres-run model=gpt-small` (python -m attnres), standard / Block N=8 / Full,
 #                       bf16-mixed, 200 steps, compile=false then true; tokens/s, MFU, peak memory,
@@ -32,8 +33,8 @@
 #   set-up     (rest) 15 s   preflight (import torch) + pip install of 11 small wheels + editable install
 #   (a)         60 /  45 s   2 pytest starts (~6 s) + ~60 Triton variants compiled (0.2-0.5 s each,
 #                            kernel_resources.py's figure, over 4 xdist workers) + 2 Inductor tests (~10 s)
-#   (b)        175 / 165 s   compiled: start 8 + 3 train graphs (40 + 25 + 25) + 3 prefill graphs (10 + 5 + 5)
-#                            + 3 x 13 steps (~0.1 s) = ~105 s; eager: start 8 + 3 x 13 train/prefill steps = ~20 s;
+#   (b)        175 / 170 s   compiled: start 8 + 3 train graphs (40 + 25 + 25) + 3 prefill graphs (10 + 5 + 5)
+#                            + 3 x 13 steps (~0.1 s) = ~105 s; eager: start 8 + 5 x 13 train/prefill steps = ~25 s;
 #                            decode (2 rounds): start 10 + per shape 3 strategies x (2 generate routes x 3 calls + 2
 #                            interleaved passes) x 128 tokens x ~5 ms (eager decoding is launch-bound) = ~35 s
 #   (c)        200 / 260 s   per run: start 8 + model init 3 + 200 steps x 40-60 ms + dashboards, probes,
@@ -43,7 +44,7 @@
 #   (d)         50 /  45 s   4 tiny jobs, 2 at a time: 2 waves x (start 8 + 100 steps + validation) + summary
 #   (e)         30 /  25 s   ~45 variants compiled for sm_90 (~0.3 s each, the dry run's) + the fast paths on
 #                            the GPU and the loaded kernels read back
-#   total      540 / 515 s   GPU_CHECK_BUDGET (default 540 s; 1200 with --dry) caps the whole: a stage gets at
+#   total      540 / 520 s   GPU_CHECK_BUDGET (default 540 s; 1200 with --dry) caps the whole: a stage gets at
 #                            most what is left of it (less 15 s for its file), so the script ends within 9 minutes
 # The dry run on this project's 2-core CPU (shared, busy), wall seconds: set-up 3, (a) 67, (b) 60 (eager
 # only), (c) 136 (270 with a cold Inductor cache: Block's compile=true run 43 s warm, 176 s cold), (d) 94,
@@ -105,7 +106,10 @@ stage_b() {  # bench_residuals.py on GPT-small (the --dry shape is tiny), compil
   else
     echo "== compiled: skipped (--dry compiles in the stages of GPU_CHECK_DRY_COMPILE=$GC_COMPILE)"
   fi
-  RESERVE=45 sub eager 60 "$PY" experiments/bench_residuals.py "${shape[@]}" --modes eager --json "$d/eager.json"
+  # eager also with each sublayer's pre-norm fused into its depth mix (the strategies' default fuse_prenorm;
+  # Triton fuses it in its one-query calls, the two-phase merges compose it) beside the unfused arms
+  RESERVE=45 sub eager 60 "$PY" experiments/bench_residuals.py "${shape[@]}" --modes eager \
+    --strategies standard,block,full,block-prenorm,full-prenorm --json "$d/eager.json"
   sub decode 45 "$PY" experiments/bench_decode.py "${decode[@]}" --json "$d/decode.json"
 }
 

@@ -48,6 +48,15 @@ def test_bench_writes_every_figure(bench, tmp_path, capsys):
     assert "median (quartiles) over rounds: block" in printed
 
 
+def test_op_is_timed_with_the_prenorm_fused_on_every_kernel_that_fuses_it(bench):
+    # the C++ kernel and Triton's one-query path fuse the next pre-norm: each timed fused (+norm) and
+    # composed after the plain op (,norm), so the first GPU session measures the fused path too
+    arms = bench.op_arms(["naive", "torch", "triton", "cpu"])
+    assert arms == [("naive", ""), ("torch", ""), ("triton", ""), ("cpu", ""), ("triton", "+norm"),
+                    ("triton", ",norm"), ("cpu", "+norm"), ("cpu", ",norm")]
+    assert bench.op_arms(["naive", "torch"]) == [("naive", ""), ("torch", "")]
+
+
 def test_step_ratio_pairs_each_round_with_standards(bench):
     assert bench.paired_ratio([1.0, 1.1, 1.2, 1.3, 1.4], [1.0] * 5) == pytest.approx((1.1, 1.2, 1.3))
     # a round on a slow machine is slow for both: its ratio is that of the others
