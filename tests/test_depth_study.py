@@ -117,8 +117,9 @@ def test_a_tiny_study_finishes_on_cpu_and_the_section_reads_it(tmp_path):
 
 
 # -- the section, from synthetic run folders --------------------------------------------------------------
-def _fake_sweep(out, losses, lrs, tokens=1_638_400, folder=depth_part.FOLDER):
-    """out/depth_tuned (or `folder`) as a tuned sweep writes it: losses[(residual, L)] = {seed: val/loss}."""
+def _fake_sweep(out, losses, lrs, tokens=1_638_400, folder=depth_part.FOLDER, load=None):
+    """out/depth_tuned (or `folder`) as a tuned sweep writes it: losses[(residual, L)] = {seed: val/loss};
+    load[seed] = (wall seconds, mean 1-minute load on 2 cores) as metrics.json records them."""
     sweep = out / folder
     arms, groups = [], []
     for (residual, L), per_seed in losses.items():
@@ -129,7 +130,9 @@ def _fake_sweep(out, losses, lrs, tokens=1_638_400, folder=depth_part.FOLDER):
             (sweep / job).mkdir(parents=True)
             (sweep / job / "metrics.json").write_text(json.dumps({
                 "status": "finished", "metrics": {"val/loss": loss}, "tokens_seen": tokens,
-                "non_embedding_parameters": 19_200 * L // 2}))
+                "non_embedding_parameters": 19_200 * L // 2,
+                **({"wall_time_s": load[seed][0], "machine_load": {"mean_1min": load[seed][1], "cpu_count": 2}}
+                   if load else {})}))
             jobs[str(seed)] = job
         overrides = [f"depth=L{L}", f"residual={residual}", "experiment=depth_study"]
         arms.append({"label": label, "group": label, "overrides": overrides, "jobs": jobs})
@@ -301,7 +304,9 @@ def test_the_section_reads_both_sweeps_and_says_what_was_carried(tmp_path):
     ({"wall_s": 3600.0, "complete": False}, "Not finished: 1.00 h of its 4-hour budget spent so far; `python "
                                             "experiments/reproduce/run.py --parts depth_tuned` continues it."),
     ({"wall_s": 3.5 * 3600, "complete": True}, "Wall time: 3.50 h of this 2-core machine (budget 4 h)."),
-], ids=["spent", "going", "done"])
+    ({"wall_s": 5 * 3600.0, "complete": True}, "Wall time: 5.00 h, past the part's budget of 4 hours of wall time: "
+                                               "it was continued with run.py's `--over-budget`."),
+], ids=["spent", "going", "done", "past"])
 def test_the_section_says_where_the_parts_budget_stands(tmp_path, part, says):
     std = {0: 3.00, 1: 3.02, 2: 2.98}
     _fake_sweep(tmp_path / "runs", {("standard", 8): std, ("block", 8): std}, {("standard", 8): 0.012,
@@ -314,3 +319,26 @@ def test_the_section_says_where_the_parts_budget_stands(tmp_path, part, says):
 
     shutil.rmtree(tmp_path / "runs")  # the record keeps the clock too
     assert says in depth_part.section(tmp_path / "runs", tmp_path / "figs", record=kept)[0][0]
+
+
+def test_a_part_past_its_budget_says_how_much_of_the_machine_its_runs_had(tmp_path):
+    """Seeds 0 and 1 trained alone (load 2 on 2 cores), seed 2 beside other work (load 4: half a core):
+    the section counts it, and the machine's hours the part used, from the runs and from the record."""
+    std = {0: 3.00, 1: 3.02, 2: 2.98}
+    load = {0: (1800.0, 2.0), 1: (1800.0, 2.2), 2: (3600.0, 4.0)}
+    _fake_sweep(tmp_path / "runs", {("standard", 8): std, ("block", 8): std},
+                {("standard", 8): 0.012, ("block", 8): 0.012}, load=load)
+    (tmp_path / "runs" / "state.json").write_text(json.dumps({"depth_tuned": {"wall_s": 5 * 3600.0,
+                                                                              "complete": True}}))
+    share = (2 * (1800 + 1800 * min(1, 2 / 2.2) + 3600 * 0.5)) / (2 * 7200)  # run-hours weighted by core share
+    says = ("past the part's budget of 4 hours of wall time: it was continued with run.py's `--over-budget` because "
+            "other work shared the machine for part of it: 2 of its 6 runs (2.0 of 4.0 run-hours) trained at a "
+            "mean 1-minute load above 1.5 times the cores, beside other work; counting each run at the share of a "
+            f"core it had (cores / load, at most 1), the part used about {5 * share:.1f} h of the machine.")
+    kept = tmp_path / "results"
+    assert says in depth_part.section(tmp_path / "runs", tmp_path / "figs", record=kept)[0][0]
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")  # the record keeps each run's load
+    assert says in depth_part.section(tmp_path / "runs", tmp_path / "figs", record=kept)[0][0]
+    assert depth_part.machine_share([{"wall_time_s": 60.0}]) is None  # older runs: no load recorded

@@ -162,7 +162,8 @@ def record_rows(sweep: Path) -> list[dict[str, Any]]:
             rows.append({"stage": "search", "sweep": sweep.name, "residual": residual, "depth": depth,
                          "seed": trial.get("seed"),
                          "lr": (trial.get("values") or {}).get("optim.optimizer.lr"), "status": trial.get("status"),
-                         "val/loss": trial.get("value"), "job": trial.get("job")})
+                         "val/loss": trial.get("value"), "job": trial.get("job"),
+                         **_load(read_json(sweep / trial["job"] / "metrics.json") if trial.get("job") else {})})
     for arm in state.get("arms", []):
         residual, depth = _override(arm["overrides"], "residual"), _override(arm["overrides"], "depth")
         group = groups.get(arm.get("group", arm["label"]), {})
@@ -175,8 +176,35 @@ def record_rows(sweep: Path) -> list[dict[str, Any]]:
                          "val/loss": (found.get("metrics") or {}).get("val/loss"),
                          "tokens_seen": found.get("tokens_seen"),
                          "non_embedding_parameters": found.get("non_embedding_parameters"),
-                         "tokens_per_sec_after_warmup": found.get("tokens_per_sec_after_warmup"), "job": job})
+                         "tokens_per_sec_after_warmup": found.get("tokens_per_sec_after_warmup"), "job": job,
+                         **_load(found)})
     return rows
+
+
+def _load(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """What a run's metrics.json says of the machine it shared: its wall seconds, the mean 1-minute
+    load while it trained, and the cores (attnres/training/machine_load.py); {} for a run without them."""
+    load = metrics.get("machine_load") or {}
+    if not all(isinstance(v, (int, float)) for v in (metrics.get("wall_time_s"), load.get("mean_1min"),
+                                                      load.get("cpu_count"))):
+        return {}
+    return {"wall_time_s": metrics["wall_time_s"], "load_1min": load["mean_1min"], "cpu_count": load["cpu_count"]}
+
+
+def machine_share(rows: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """How much of the machine the part's runs had: each run trains on one thread, and at a mean
+    1-minute load l on c cores it had about min(1, c / l) of its core. Returns the runs, their
+    run-hours, those that ran beside other work (l above 1.5 c: more than the part's own jobs and
+    its sweep) with their run-hours, and `share`, the run-hours weighted by that share over all."""
+    timed = [r for r in rows if all(isinstance(r.get(k), (int, float)) and r[k] > 0
+                                    for k in ("wall_time_s", "load_1min", "cpu_count"))]
+    if not timed:
+        return None
+    total = sum(r["wall_time_s"] for r in timed)
+    shared = [r for r in timed if r["load_1min"] > 1.5 * r["cpu_count"]]
+    return {"runs": len(timed), "hours": total / 3600, "shared_runs": len(shared),
+            "shared_hours": sum(r["wall_time_s"] for r in shared) / 3600,
+            "share": sum(r["wall_time_s"] * min(1.0, r["cpu_count"] / r["load_1min"]) for r in timed) / total}
 
 
 def arms_from_record(rows: Sequence[Mapping[str, Any]],
@@ -248,7 +276,8 @@ def figure(found: Mapping[tuple[str, int], Gap]) -> Any:
         xs, means = [d for d, _ in points], [g.mean for _, g in points]
         lows = [g.mean - g.ci[0] if g.ci else 0.0 for _, g in points]
         highs = [g.ci[1] - g.mean if g.ci else 0.0 for _, g in points]
-        ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=arm)
+        shift = 2 ** (0.06 * (list(ARMS).index(arm) - 1))  # side by side at each depth (log x), not on top
+        ax.errorbar([x * shift for x in xs], means, yerr=[lows, highs], marker="o", capsize=3, label=arm)
     ax.set_xscale("log", base=2)
     depths = sorted({d for _, d in found})
     ax.set_xticks(depths, [str(d) for d in depths])
@@ -272,16 +301,17 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
     one of the paper's claims), from `out / depth_tuned`. With `record` (report.py: results/ beside
     REPORT.md), the runs found are kept in `record/depth_tuned.json`, and where there are none (another
     machine trained them) the section is built from that record instead."""
-    arms, source = read_all(out), ""
+    arms, source, rows = read_all(out), "", []
     part = read_json(out / "state.json").get(FOLDER, {})  # run.py's clock over the part's invocations
-    if arms and record is not None:
+    if arms:
         rows = [row for name in (FOLDER, CARRIED) for row in record_rows(out / name)]
+    if arms and record is not None:
         designs = {name: sequential.read_record(out / name) for name in (FOLDER, CARRIED)}
         records.write_record(record, FOLDER, rows, f"runs/{FOLDER} and runs/{CARRIED}",
                              {"seeds": designs, "part": part})
     elif not arms and record is not None and (record / f"{FOLDER}.json").is_file():
         saved = read_json(record / f"{FOLDER}.json")
-        part = (saved.get("extra") or {}).get("part") or {}
+        part, rows = (saved.get("extra") or {}).get("part") or {}, saved.get("runs", [])
         arms = arms_from_record(saved.get("runs", []), (saved.get("extra") or {}).get("seeds") or {})
         source = (f" Built from {record.name}/{FOLDER}.json, the per-run record of {saved.get('source')} "
                   f"(written {saved.get('written')}), not from the runs themselves.")
@@ -297,7 +327,7 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
             + " Gaps: arm minus standard, both at "
             f"their best, as a share of the standard's val/loss, paired by seed; the intervals of a depth hold "
             f"together (Bonferroni over its arms); the margin is {MARGIN_PCT}% (docs/sweeps.md#verdicts)."
-            + _seeds_text(arms) + _budget_text(part) + source, "",
+            + _seeds_text(arms) + _budget_text(part, machine_share(rows)) + source, "",
             "| sublayers | tokens per parameter | arm | chosen lr (standard's) | gap [interval] | verdict | seeds |",
             "|---|---|---|---|---|---|---|"]
     for depth in depths:
@@ -341,17 +371,29 @@ def _carry_text(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> str:
             f"across a fourfold depth), which favours the arm whose best moves least.")
 
 
-def _budget_text(part: Mapping[str, Any]) -> str:
+def _budget_text(part: Mapping[str, Any], share: Mapping[str, float] | None = None) -> str:
+    """Where the part's wall-time budget stands (run.py's clock, runs/state.json), and how much of the
+    machine its runs had (machine_share), which is why a part may be continued past its budget."""
     wall = part.get("wall_s")
     if not isinstance(wall, (int, float)):
         return ""
+    shared = bool(share and share["shared_runs"])
+    used = (f" {share['shared_runs']} of its {share['runs']} runs ({share['shared_hours']:.1f} of "
+            f"{share['hours']:.1f} run-hours) trained at a mean 1-minute load above 1.5 times the cores, beside "
+            "other work; counting each run at the share of a core it had (cores / load, at most 1), the part used "
+            f"about {wall * share['share'] / 3600:.1f} h of the machine." if shared else "")
+    if part.get("complete") and wall <= BUDGET_H * 3600:
+        return f" Wall time: {wall / 3600:.2f} h of this 2-core machine (budget {BUDGET_H:g} h).{used}"
     if part.get("complete"):
-        return f" Wall time: {wall / 3600:.2f} h of this 2-core machine (budget {BUDGET_H:g} h)."
+        why = " because other work shared the machine for part of it:" if shared else "."
+        return (f" Wall time: {wall / 3600:.2f} h, past the part's budget of {BUDGET_H:g} hours of wall time: it was "
+                f"continued with run.py's `--over-budget`{why}{used}")
     if wall >= BUDGET_H * 3600:
         return (f" The part's budget of {BUDGET_H:g} hours was spent ({wall / 3600:.2f} h of wall time, on a machine "
                 "other work shared for part of it) before every run finished: a row without pairs, or with fewer "
-                "seeds than the design's, is where it stopped; each interval holds at the look it reached.")
-    return f" Not finished: {wall / 3600:.2f} h of its {BUDGET_H:g}-hour budget spent so far; `{RUN}` continues it."
+                "seeds than the design's, is where it stopped; each interval holds at the look it reached." + used)
+    return (f" Not finished: {wall / 3600:.2f} h of its {BUDGET_H:g}-hour budget spent so far; `{RUN}` continues "
+            "it." + used)
 
 
 def _seeds_text(arms: Mapping[tuple[str, int], Mapping[str, Any]]) -> str:
