@@ -1,7 +1,9 @@
 """The search of a tuned sweep as a figure (tuning.png, and the right of its summary.png): for each
 arm, the selection metric against each searched value, one point per tuning seed, their mean as a
 line, the chosen value starred; a grid that grew at an edge shows its added points, and a choice
-still on the edge is drawn hollow (white inside, ringed) and named in the legend.
+still on the edge is drawn hollow (white inside, ringed) and named in the legend. A trial without a
+full-length value is marked where it ran: a cross at the panel's top when it diverged or failed, a
+hollow triangle at its bottom when successive halving stopped it at a rung.
 
 Arms whose means nearly coincide (standard and Block within 0.001 of each other) would draw one line
 over the other, so that one arm looked never run: each arm gets its own line style and marker, and
@@ -61,9 +63,12 @@ def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
             ticks.update(xs.tolist())
             ys = np.array([tuning.trial_value(t) for t in trials])
             finite = np.isfinite(ys)
+            pruned = np.array([t.get("status") == "pruned" for t in trials])
             ax.scatter(xs[finite] * aside, ys[finite], s=14, color=colour, alpha=0.55, zorder=3, marker=marker)
-            if (~finite).any():  # a diverged or failed trial: a cross at the panel's top
-                ax.scatter(xs[~finite] * aside, np.full((~finite).sum(), np.nan), marker="x", color=colour)
+            _edge_marks(ax, xs[~finite & ~pruned] * aside, 0.97, dict(marker="x", color=colour, s=30),
+                        "diverged or failed")
+            _edge_marks(ax, xs[pruned] * aside, 0.03, dict(marker="^", facecolors="none", edgecolors=colour, s=26),
+                            "stopped at a rung")
             means = tuning.point_means(trials, seeds)
             points = sorted(means, key=lambda p: _x(trials, p, key))
             line = [(_x(trials, p, key) * aside, means[p]) for p in points if math.isfinite(means[p])]
@@ -102,6 +107,18 @@ def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
                   title_fontsize=7)
     for ax in axes[len(search_keys(state)):]:
         ax.set_visible(False)
+
+
+def _edge_marks(ax: Any, xs: np.ndarray, at: float, style: Mapping[str, Any], what: str) -> None:
+    """Trials without a full-length value, marked at a height of the panel (`at`, axes fraction:
+    0.97 the top, 0.03 the bottom) above their x: their metric would be off the scale (a
+    divergence) or not comparable (a successive-halving trial's loss at an earlier rung), but that
+    they ran, and where, shows. The legend names each kind once."""
+    if not len(xs):
+        return
+    named = any(c.get_label() == what for c in ax.collections)
+    ax.scatter(xs, np.full(len(xs), at), transform=ax.get_xaxis_transform(), zorder=3, clip_on=False,
+               label="_" + what if named else what, **style)
 
 
 def _x(trials: Sequence[Mapping[str, Any]], point: Any, key: str) -> float:

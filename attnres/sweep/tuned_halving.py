@@ -221,7 +221,7 @@ def _choose(group: dict[str, Any], seeds: Sequence[int], keep: float, factor: fl
     values, last = _values(group), group["rung_steps"][-1]
     _, alive = next_runs(group["exponents"], values, seeds, group["rung_steps"], keep)
     means = full_length_means(alive, values, seeds, last)
-    for trial in group["trials"]:  # stopped at a rung: no full-length value (figures and means leave it out)
+    for trial in group["trials"]:  # stopped at a rung: no full-length value (means leave it out; tuning.png marks it)
         if str(last) not in trial["rungs"]:
             reached = max(map(int, trial["rungs"]), default=0)
             trial.update(status="pruned", pruned_at=reached, value=None)
