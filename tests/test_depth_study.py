@@ -175,6 +175,18 @@ def test_the_section_pairs_each_arm_with_the_standard_at_each_depth(tmp_path):
     assert (tmp_path / "figs" / "depth_tuned.png").is_file()
 
 
+def test_without_a_block_gain_the_controls_have_nothing_to_match(tmp_path):
+    std = {0: 3.00, 1: 3.02, 2: 2.98}
+    noisy = {0: 3.05, 1: 2.97, 2: 3.00}  # Block level with the standard: not resolved
+    losses = {(arm, L): (std if arm == "standard" else noisy) for arm in ("standard", "block", "block_static")
+              for L in (8, 48)}
+    _fake_sweep(tmp_path / "runs", losses, {k: 0.012 for k in losses})
+    answers = "\n".join(depth_part.section(tmp_path / "runs", tmp_path / "figs")[0])
+    assert ("Does block_static (learned static mix (routing that ignores the input)) get it too? At 48 sublayers it "
+            "is +0.23% [") in answers  # (+1.67 - 1.66 + 0.67) / 3
+    assert "(not resolved): Block has no resolved gain at 48 sublayers for it to match." in answers
+
+
 def test_a_gap_with_one_pair_gives_no_interval_and_no_winner(tmp_path):
     _fake_sweep(tmp_path / "runs", {("standard", 8): {0: 3.0}, ("block", 8): {0: 2.5}},
                 {("standard", 8): 0.012, ("block", 8): 0.012})

@@ -426,10 +426,12 @@ def _answers(found: Mapping[tuple[str, int], Gap], depths: Sequence[int]) -> lis
                      f"minus standard is {block[1].text()} ({block[1].verdict()}).")
     for arm in [a for a in ARMS if a != "block" and (a, deep) in found]:
         g = found[arm, deep]
-        same = "gets it too" if "better" in g.verdict() and "better" in (block[1].verdict() if block[1] else "") \
-            else "does not show it" if block[1] and "better" in block[1].verdict() else "has nothing to match yet"
+        if block[1] and "better" in block[1].verdict():
+            same = "it gets it too" if "better" in g.verdict() else "it does not show it"
+        else:
+            same = f"Block has no resolved gain at {deep} sublayers for it to match"
         lines.append(f"- Does {arm} ({ARMS[arm]}) get it too? At {deep} sublayers it is {g.text()} against the "
-                     f"standard ({g.verdict()}): it {same}.")
+                     f"standard ({g.verdict()}): {same}.")
     lines += ["", "What this scale cannot show: one width (40) and one token budget for every depth, so the "
               "deepest models see the fewest tokens per parameter (the table) and the gap there mixes depth "
               "with under-training; at 48 sublayers each arm's lr carried from 24, not searched; "
