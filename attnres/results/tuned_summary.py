@@ -131,14 +131,18 @@ def write_tuned_summary(sweep_dir: str | Path, title: str | None = None, margin:
     md += [f"- {c.sentence()}" for c in tuned] or ["- no tuned verdict: no baseline arm among the arms"]
     md += ["", "## What each arm chose", ""] + [f"- {choice_line(g, state)}" for g in state.get("groups", [])]
     equal, budget = tuning.budget_check(state.get("groups", []))
-    md += ["", "## Search budget", "", f"{budget[0].upper()}{budget[1:]}. The search: {_search_text(state)}.", ""]
+    groups = state.get("groups", [])
+    given = bool(groups) and all(g.get("given") for g in groups)  # hydra.sweeper.method=given: no search to show
+    search = "" if given else f" The search: {_search_text(state)}."
+    md += ["", "## Search budget", "", f"{budget[0].upper()}{budget[1:]}.{search}", ""]
     md += ["## Beside it: every arm at the configured values", ""]
     if any(c.mean is not None for c in shared):
         md += [f"- {c.sentence()}" for c in shared]
     else:
         md += ["No runs at the configured values on the verdict seeds in this folder "
                "(`hydra.sweeper.untuned=true` runs them; a plain sweep into the same folder counts too)."]
-    md += ["", "## The search", "", "![search](tuning.png)", ""] + _trials_table(state)
+    if not given:
+        md += ["", "## The search", "", "![search](tuning.png)", ""] + _trials_table(state)
     verdict_rows = []
     for arm in arms:
         for stage, field in (("tuned", "jobs"), ("configured", "untuned_jobs")):

@@ -46,7 +46,9 @@ def test_the_summary_says_the_values_were_given_and_no_search_ran(tmp_path):
     assert "search budget: no search ran: each arm at its given values" in "\n".join(lines)
     assert lines[0].startswith("verdict, each arm at its own best: block vs standard:")
     assert {r["stage"] for r in rows} == {"tuned"} and len(rows) == 6
-    assert "no search ran" in (tmp_path / "sweep" / "summary.md").read_text()
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "no search ran" in summary
+    assert "The search:" not in summary and "## The search" not in summary  # it read "None trials of ;"
 
 
 def test_the_start_line_names_each_arms_values_and_the_designs_seeds(tmp_path, capsys):
