@@ -172,6 +172,11 @@ def test_the_section_pairs_each_arm_with_the_standard_at_each_depth(tmp_path):
     assert "Does the tuned gain grow with depth here? yes: the gap moves by -" in answers
     assert "from 8 to 48 sublayers, in the arm's favour" in answers
     assert "Does depth_scaled (" in answers and "it does not show it" in answers
+    sd = {arm: statistics.stdev(losses[arm, 48].values()) for arm in ("standard", "block", "block_static",
+                                                                       "depth_scaled")}
+    assert (f"How noisy is it at 48 sublayers? The spread of val/loss across the verdict seeds (sd): standard "
+            f"{sd['standard']:.3f}, block {sd['block']:.3f}, block_static {sd['block_static']:.3f}, depth_scaled "
+            f"{sd['depth_scaled']:.3f};") in answers
     assert (tmp_path / "figs" / "depth_tuned.png").is_file()
 
 

@@ -351,7 +351,7 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
         text += [f"![gap against depth]({path})", ""]
     except Exception as err:  # the numbers stand without the figure
         print(f"report: the depth figure was not drawn ({type(err).__name__}: {err})")
-    text += _answers(found, depths)
+    text += _answers(found, depths, arms)
     return text, []
 
 
@@ -415,7 +415,18 @@ def _lr(value: Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) else "—"
 
 
-def _answers(found: Mapping[tuple[str, int], Gap], depths: Sequence[int]) -> list[str]:
+def _spread(arms: Mapping[tuple[str, int], Mapping[str, Any]], depth: int) -> str:
+    """Each arm's standard deviation of val/loss over its verdict seeds at `depth`, the standard first."""
+    out = []
+    for arm in [BASELINE, *ARMS]:
+        runs = (arms.get((arm, depth)) or {}).get("runs") or {}
+        if len(runs) >= 2:
+            out.append(f"{arm} {statistics.stdev(m['metrics']['val/loss'] for m in runs.values()):.3f}")
+    return ", ".join(out)
+
+
+def _answers(found: Mapping[tuple[str, int], Gap], depths: Sequence[int],
+             arms: Mapping[tuple[str, int], Mapping[str, Any]] | None = None) -> list[str]:
     shallow, deep = depths[0], depths[-1]
     lines = ["Plain answers, from these runs:", ""]
     block = (found.get(("block", shallow)), found.get(("block", deep)))
@@ -432,6 +443,10 @@ def _answers(found: Mapping[tuple[str, int], Gap], depths: Sequence[int]) -> lis
             same = f"Block has no resolved gain at {deep} sublayers for it to match"
         lines.append(f"- Does {arm} ({ARMS[arm]}) get it too? At {deep} sublayers it is {g.text()} against the "
                      f"standard ({g.verdict()}): {same}.")
+    spread = _spread(arms or {}, deep)
+    if spread:
+        lines.append(f"- How noisy is it at {deep} sublayers? The spread of val/loss across the verdict seeds (sd): "
+                     f"{spread}; the wider the standard's, the wider every interval of that depth.")
     lines += ["", "What this scale cannot show: one width (40) and one token budget for every depth, so the "
               "deepest models see the fewest tokens per parameter (the table) and the gap there mixes depth "
               "with under-training; at 48 sublayers each arm's lr carried from 24, not searched; "
