@@ -316,8 +316,7 @@ def test_the_section_reads_both_sweeps_and_says_what_was_carried(tmp_path):
 
 @pytest.mark.parametrize(("part", "says"), [
     ({"wall_s": 5 * 3600.0, "complete": False},
-     "The part's budget of 4 hours was spent (5.00 h of wall time, on a machine other work shared for part of it) "
-     "before every run finished"),
+     "The part's budget of 4 hours was spent (5.00 h of wall time) before every run finished"),
     ({"wall_s": 3600.0, "complete": False}, "Not finished: 1.00 h of its 4-hour budget spent so far; `python "
                                             "experiments/reproduce/run.py --parts depth_tuned` continues it."),
     ({"wall_s": 3.5 * 3600, "complete": True}, "Wall time: 3.50 h of this 2-core machine (budget 4 h)."),

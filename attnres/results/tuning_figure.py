@@ -68,7 +68,7 @@ def draw_search(axes: Sequence[Any], state: Mapping[str, Any]) -> None:
             _edge_marks(ax, xs[~finite & ~pruned] * aside, 0.97, dict(marker="x", color=colour, s=30),
                         "diverged or failed")
             _edge_marks(ax, xs[pruned] * aside, 0.03, dict(marker="^", facecolors="none", edgecolors=colour, s=26),
-                            "stopped at a rung")
+                        "stopped at a rung")
             means = tuning.point_means(trials, seeds)
             points = sorted(means, key=lambda p: _x(trials, p, key))
             line = [(_x(trials, p, key) * aside, means[p]) for p in points if math.isfinite(means[p])]

@@ -389,8 +389,8 @@ def _budget_text(part: Mapping[str, Any], share: Mapping[str, float] | None = No
         return (f" Wall time: {wall / 3600:.2f} h, past the part's budget of {BUDGET_H:g} hours of wall time: it was "
                 f"continued with run.py's `--over-budget`{why}{used}")
     if wall >= BUDGET_H * 3600:
-        return (f" The part's budget of {BUDGET_H:g} hours was spent ({wall / 3600:.2f} h of wall time, on a machine "
-                "other work shared for part of it) before every run finished: a row without pairs, or with fewer "
+        return (f" The part's budget of {BUDGET_H:g} hours was spent ({wall / 3600:.2f} h of wall time) "
+                "before every run finished: a row without pairs, or with fewer "
                 "seeds than the design's, is where it stopped; each interval holds at the look it reached." + used)
     return (f" Not finished: {wall / 3600:.2f} h of its {BUDGET_H:g}-hour budget spent so far; `{RUN}` continues "
             "it." + used)
