@@ -312,7 +312,7 @@ def section(out: Path, figs: Path, save: Callable[[Any, Path], str] | None = Non
     elif not arms and record is not None and (record / f"{FOLDER}.json").is_file():
         saved = read_json(record / f"{FOLDER}.json")
         part, rows = (saved.get("extra") or {}).get("part") or {}, saved.get("runs", [])
-        arms = arms_from_record(saved.get("runs", []), (saved.get("extra") or {}).get("seeds") or {})
+        arms = arms_from_record(rows, (saved.get("extra") or {}).get("seeds") or {})
         source = (f" Built from {record.name}/{FOLDER}.json, the per-run record of {saved.get('source')} "
                   f"(written {saved.get('written')}), not from the runs themselves.")
     if not arms:
